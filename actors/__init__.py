@@ -1,0 +1,1 @@
+"""staleflow.actors"""

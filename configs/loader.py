@@ -1,0 +1,208 @@
+"""Load a run config from YAML (or JSON) plus dotted command-line overrides.
+
+    cfg = load_config("configs/quickstart.yaml", ["learner.loss.epsilon_high=2.0"])
+
+Override values are parsed as YAML scalars, so `2.0`, `true`, `null` and `[a, b]` get their
+natural types. Errors are collected into one `ConfigError` whose lines name the file and line
+(or the override) each bad key or value came from, and list the valid keys or choices.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from staleflow.configs.schema import RunConfig
+
+__all__ = ["ConfigError", "apply_overrides", "dump_config", "load_config", "parse_config"]
+
+Loc = tuple[str, ...]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded; the message says where and what to change."""
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read `path`, apply `overrides` ("a.b.c=value"), validate, and return the frozen config."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    return parse_config(text, overrides, source=str(path))
+
+
+def parse_config(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> RunConfig:
+    """Like `load_config`, from the text of a YAML or JSON document."""
+    data, lines = _parse_yaml(text, source)
+    origins: dict[Loc, str] = {loc: f"{source}:{line}" for loc, line in lines.items()}
+    data = apply_overrides(data, overrides, origins)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, data, origins, source)) from None
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as JSON; `parse_config` of it gives back an equal config."""
+    return cfg.model_dump_json(indent=2)
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: Iterable[str], origins: dict[Loc, str] | None = None
+) -> dict[str, Any]:
+    """Return a copy of `data` with each "dotted.key=value" applied (value parsed as YAML)."""
+    data = _deep_copy(data)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        loc = tuple(key.strip().split("."))
+        if not sep or not all(loc):
+            raise ConfigError(
+                f"override {item!r} is not of the form section.key=value "
+                "(e.g. learner.loss.epsilon_high=2.0)"
+            )
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from None
+        node = data
+        for depth, part in enumerate(loc[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(loc[: depth + 1])} is a value "
+                    f"({child!r}), not a section"
+                )
+            node = child
+        node[loc[-1]] = value
+        if origins is not None:
+            origins[loc] = f"override {item!r}"
+    return data
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
+    """Parse the document and record the 1-based line of every key."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: a config must be a mapping of sections (model, task, rollout, ...), "
+            f"got {type(data).__name__}"
+        )
+    lines: dict[Loc, int] = {}
+
+    def walk(node: yaml.Node | None, loc: Loc) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                sub = (*loc, str(key_node.value))
+                lines[sub] = key_node.start_mark.line + 1
+                walk(value_node, sub)
+
+    walk(root, ())
+    return data, lines
+
+
+def _describe(
+    exc: ValidationError, data: dict[str, Any], origins: dict[Loc, str], source: str
+) -> str:
+    out = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        loc = _data_loc(err["loc"], data)
+        msg, show_input = err["msg"], not isinstance(err.get("input"), dict | list)
+        if err["type"] == "extra_forbidden":
+            valid = _valid_keys(err["loc"][:-1])
+            msg = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
+            show_input = False
+        elif err["type"] == "missing":
+            msg, show_input = "required key is missing", False
+        elif err["type"] == "union_tag_invalid":
+            ctx = err.get("ctx", {})
+            loc = (*loc, str(ctx.get("discriminator", "name")).strip("'"))
+            msg = f"unknown choice {ctx.get('tag')!r}; valid: {ctx.get('expected_tags')}"
+            show_input = False
+        elif err["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+        if show_input and err.get("input") is not None:
+            msg += f" (got {err['input']!r})"
+        where = _origin(loc, origins) or source
+        out.append(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}")
+    return "\n".join(out)
+
+
+def _data_loc(loc: Sequence[int | str], data: Any) -> Loc:
+    """Drop the union-tag parts pydantic inserts (e.g. learner.loss.<grpo>.epsilon_low)."""
+    kept: list[str] = []
+    node: Any = data
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(node, dict) and i < len(loc) - 1:
+            continue  # a union tag: present in pydantic's loc, absent from the data
+        else:
+            node = None
+        kept.append(str(part))
+    return tuple(kept)
+
+
+def _origin(loc: Loc, origins: dict[Loc, str]) -> str | None:
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in origins:
+            return origins[loc[:n]]
+    return None
+
+
+def _valid_keys(loc: Sequence[int | str]) -> list[str]:
+    """Field names of the model at `loc` (following union tags); [] if it cannot be found."""
+    model: Any = RunConfig
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        candidates = _models_in(field.annotation)
+        if len(candidates) == 1:
+            model = candidates[0]
+        elif candidates and parts:
+            tag = parts.pop(0)
+            model = next((c for c in candidates if c.model_fields["name"].default == tag), None)
+        else:
+            return []
+    if isinstance(model, type) and issubclass(model, BaseModel):
+        return sorted(model.model_fields)
+    return []
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _models_in(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+    return []

