@@ -273,4 +273,3 @@ LossConfig = Annotated[
     Field(discriminator="name"),
 ]
 """A loss preset, selected by its `name`."""
-

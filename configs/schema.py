@@ -98,7 +98,9 @@ class TaskConfig(Frozen):
     def _task_inputs(self) -> TaskConfig:
         if self.name == "gsm8k" and self.path is None:
             raise ValueError("task 'gsm8k' needs task.path, a local JSONL file of problems")
-        if self.name == "custom" and (self.reward_fn is None or not _IMPORT_PATH.match(self.reward_fn)):
+        if self.name == "custom" and (
+            self.reward_fn is None or not _IMPORT_PATH.match(self.reward_fn)
+        ):
             raise ValueError(
                 "task 'custom' needs task.reward_fn as 'package.module:function' "
                 f"(got {self.reward_fn!r})"
