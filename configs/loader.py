@@ -9,6 +9,7 @@ natural types. Errors are collected into one `ConfigError` whose lines name the 
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,9 +21,17 @@ from pydantic import BaseModel, ValidationError
 
 from staleflow.configs.schema import RunConfig
 
-__all__ = ["ConfigError", "apply_overrides", "dump_config", "load_config", "parse_config"]
+__all__ = [
+    "ConfigError",
+    "apply_overrides",
+    "dump_config",
+    "load_config",
+    "parse_config",
+    "redact",
+]
 
 Loc = tuple[str, ...]
+_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^@\s]*@")
 
 
 class ConfigError(ValueError):
@@ -73,7 +82,9 @@ def apply_overrides(
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: value is not valid YAML: {exc}") from None
+            raise ConfigError(
+                redact(f"override {item!r}: value is not valid YAML: {exc}")
+            ) from None
         node = data
         for depth, part in enumerate(loc[:-1]):
             child = node.setdefault(part, {})
@@ -87,6 +98,11 @@ def apply_overrides(
         if origins is not None:
             origins[loc] = f"override {item!r}"
     return data
+
+
+def redact(text: str) -> str:
+    """Mask the password of every URL in `text` (scheme://user:password@host -> user:***@)."""
+    return _URL_PASSWORD.sub(r"\1***@", text)
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -135,6 +151,11 @@ def _describe(
             show_input = False
         elif err["type"] == "missing":
             msg, show_input = "required key is missing", False
+        elif err["type"] == "union_tag_not_found":
+            ctx = err.get("ctx", {})
+            loc = (*loc, str(ctx.get("discriminator", "name")).strip("'"))
+            msg = f"required key is missing; valid: {', '.join(_tags(err['loc']))}"
+            show_input = False
         elif err["type"] == "union_tag_invalid":
             ctx = err.get("ctx", {})
             loc = (*loc, str(ctx.get("discriminator", "name")).strip("'"))
@@ -145,7 +166,7 @@ def _describe(
         if show_input and err.get("input") is not None:
             msg += f" (got {err['input']!r})"
         where = _origin(loc, origins) or source
-        out.append(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}")
+        out.append(redact(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}"))
     return "\n".join(out)
 
 
@@ -174,27 +195,34 @@ def _origin(loc: Loc, origins: dict[Loc, str]) -> str | None:
 
 
 def _valid_keys(loc: Sequence[int | str]) -> list[str]:
-    """Field names of the model at `loc` (following union tags); [] if it cannot be found."""
-    model: Any = RunConfig
+    """Field names of the model at `loc`; [] if it cannot be found."""
+    model = _model_at(loc)
+    return sorted(model.model_fields) if model is not None else []
+
+
+def _model_at(loc: Sequence[int | str]) -> type[BaseModel] | None:
+    """The config model at pydantic's `loc`, following union tags (e.g. loss.<grpo>)."""
+    model: type[BaseModel] | None = RunConfig
     parts = list(loc)
-    while parts:
-        part = parts.pop(0)
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            return []
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return []
-        candidates = _models_in(field.annotation)
+    while parts and model is not None:
+        field = model.model_fields.get(str(parts.pop(0)))
+        candidates = _models_in(field.annotation) if field is not None else []
         if len(candidates) == 1:
             model = candidates[0]
         elif candidates and parts:
             tag = parts.pop(0)
             model = next((c for c in candidates if c.model_fields["name"].default == tag), None)
         else:
-            return []
-    if isinstance(model, type) and issubclass(model, BaseModel):
-        return sorted(model.model_fields)
-    return []
+            model = None
+    return model
+
+
+def _tags(loc: Sequence[int | str]) -> list[str]:
+    """The `name` choices of the discriminated union at `loc`."""
+    parent = _model_at(loc[:-1])
+    field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
+    models = _models_in(field.annotation) if field is not None else []
+    return [str(m.model_fields["name"].default) for m in models if "name" in m.model_fields]
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

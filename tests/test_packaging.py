@@ -1,0 +1,47 @@
+"""The distribution: folders install as staleflow.<folder>, in wheels as in editable installs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import staleflow.learner.losses
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_editable_install_maps_folders_to_staleflow_packages():
+    assert Path(staleflow.learner.losses.__file__).resolve() == REPO / "learner" / "losses.py"
+
+
+def test_bare_folder_names_are_not_importable_as_staleflow_code():
+    # `learner` must not shadow or be shadowed by an unrelated PyPI package of that name
+    out = subprocess.run(
+        [sys.executable, "-c", "import learner.losses"], capture_output=True, cwd="/", text=True
+    )
+    assert out.returncode != 0
+
+
+@pytest.mark.slow
+def test_wheel_contains_the_mapped_packages_and_configs(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("staleflow-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in (
+        "staleflow/learner/losses.py",
+        "staleflow/learner/advantages.py",
+        "staleflow/configs/schema.py",
+        "staleflow/configs/quickstart.yaml",
+        "staleflow/configs/paper/rec-gsm8k.yaml",
+        "staleflow/cluster/cli.py",
+    ):
+        assert expected in names
+    assert not any(n.startswith(("learner/", "tests/", "configs/")) for n in names)

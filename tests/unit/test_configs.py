@@ -1,0 +1,219 @@
+"""The run-config schema, the shipped YAML files, overrides and error messages."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from staleflow.configs import (
+    LOSS_PRESETS,
+    ConfigError,
+    RunConfig,
+    dump_config,
+    load_config,
+    parse_config,
+)
+from staleflow.learner.losses import get_loss, loss_from_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+
+MINIMAL = "model:\n  preset: tiny\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_configs_are_shipped():
+    names = {p.relative_to(REPO / "configs").as_posix() for p in SHIPPED}
+    assert {"quickstart.yaml", "tiny.yaml", "paper/rec-gsm8k.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_round_trips(path):
+    cfg = load_config(path)
+    assert parse_config(dump_config(cfg)) == cfg
+    json.loads(dump_config(cfg))  # plain JSON
+
+
+def test_quickstart_is_the_demo_described_in_the_issue():
+    cfg = load_config(REPO / "configs/quickstart.yaml")
+    assert cfg.model.preset == "smollm2-135m"
+    assert cfg.task.name == "arithmetic"
+    loss = cfg.learner.loss
+    assert (loss.name, loss.epsilon_low, loss.epsilon_high) == ("rec-oneside-nois", 0.6, 2.0)
+    assert (cfg.rollout.num_workers, cfg.sync.mode, cfg.rollout.temperature) == (2, "async", 1.0)
+    assert cfg.buffer.redis_url is None  # embedded server
+
+
+def test_minimal_config_takes_defaults():
+    cfg = parse_config(MINIMAL)
+    assert cfg.learner.loss.name == "reinforce"
+    assert (cfg.sync.interval, cfg.sync.offset) == (1, 0)
+    assert cfg.buffer.sampling == "fifo"
+
+
+def test_overrides_are_typed():
+    cfg = parse_config(
+        MINIMAL,
+        [
+            "learner.loss.name=rec-oneside-nois",
+            "learner.loss.epsilon_high=2.0",
+            'rollout.stop=["\\n\\n", "Question:"]',  # YAML double quotes process escapes
+            "run.tensorboard=false",
+            "sync.interval=20",
+            "buffer.max_staleness=null",
+            "task.name=reasoning_gym:basic_arithmetic",
+        ],
+    )
+    assert cfg.learner.loss.epsilon_high == 2.0
+    assert cfg.rollout.stop == ("\n\n", "Question:")
+    assert cfg.run.tensorboard is False
+    assert cfg.sync.interval == 20
+    assert cfg.buffer.max_staleness is None
+    assert cfg.task.name == "reasoning_gym:basic_arithmetic"
+
+
+def test_override_switches_preset_and_its_advantage_defaults():
+    assert parse_config(MINIMAL, ["learner.loss.name=grpo"]).learner.loss.advantage.std_normalize
+    red = parse_config(MINIMAL, ["learner.loss.name=red-drop"]).learner.loss
+    assert red.advantage.drop == "balance"
+    off = parse_config(
+        MINIMAL, ["learner.loss.name=grpo", "learner.loss.advantage.std_normalize=false"]
+    )
+    assert off.learner.loss.advantage.std_normalize is False
+
+
+def test_config_is_frozen():
+    cfg = parse_config(MINIMAL)
+    with pytest.raises(pydantic.ValidationError):
+        cfg.run.steps = 5  # type: ignore[misc]
+
+
+def test_run_config_loss_matches_get_loss():
+    cfg = load_config(REPO / "configs/quickstart.yaml")
+    from_config = loss_from_config(cfg.learner.loss)
+    direct = get_loss("rec-oneside-nois", epsilon_low=0.6, epsilon_high=2.0)
+    assert from_config.config == direct.config
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_unknown_key_names_file_line_and_valid_keys(tmp_path):
+    path = write(
+        tmp_path, "model:\n  preset: tiny\nlearner:\n  loss:\n    name: grpo\n    epsilon_hi: 2\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:6: learner.loss.epsilon_hi: unknown key" in msg
+    assert "epsilon_high" in msg
+    assert "is_truncation" in msg
+
+
+def test_unknown_preset_lists_the_presets(tmp_path):
+    path = write(tmp_path, "model:\n  preset: tiny\nlearner:\n  loss:\n    name: rec\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    msg = str(err.value)
+    assert f"{path}:5: learner.loss.name" in msg
+    assert all(name in msg for name in LOSS_PRESETS)
+
+
+def test_bad_value_from_an_override_names_the_override():
+    with pytest.raises(ConfigError, match=r"override 'rollout.temperature=-1'.*greater than 0"):
+        parse_config(MINIMAL, ["rollout.temperature=-1"])
+
+
+def test_literal_error_lists_choices():
+    with pytest.raises(ConfigError, match=r"sync.mode: Input should be 'lockstep' or 'async'"):
+        parse_config(MINIMAL, ["sync.mode=sometimes"])
+
+
+def test_leftover_parameters_after_switching_preset_are_reported():
+    with pytest.raises(ConfigError, match=r"learner.loss.epsilon_low: unknown key"):
+        parse_config(
+            MINIMAL,
+            [
+                "learner.loss.name=rec-oneside-nois",
+                "learner.loss.epsilon_low=0.6",
+                "learner.loss.name=opmd",
+            ],
+        )
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "pattern"),
+    [
+        ("model: {}\n", [], "exactly one of model.preset"),
+        ("model:\n  preset: tiny\n  path: /m\n", [], "exactly one of model.preset"),
+        (MINIMAL, ["task.name=gsm9k"], "unknown task 'gsm9k'"),
+        (MINIMAL, ["task.name=gsm8k"], "needs task.path"),
+        (MINIMAL, ["task.name=custom", "task.reward_fn=nocolon"], "package.module:function"),
+        (MINIMAL, ["buffer.redis_url=http://h:1"], "redis://, rediss://"),
+        (MINIMAL, ["buffer.max_reuse=3"], "only applies to sampling: replay"),
+        (MINIMAL, ["learner.loss.name=opmd", "learner.loss.kl_coef=0.1"], "reference_model: true"),
+        (MINIMAL, ["learner.loss.epsilon_low=0.1"], r"learner.loss.name: required.*grpo"),
+        (MINIMAL, ["learner.optimizer.betas=[0.9, 1.5]"], "beta"),
+        (MINIMAL, ["run.name=has space"], "run.name"),
+        (MINIMAL, ["learner.zero_stage=4"], "less than or equal to 3"),
+        ("", [], "model: required key is missing"),
+        ("- a\n- b\n", [], "must be a mapping"),
+        ("model: [\n", [], r"run.yaml:\d+: not valid YAML"),
+        (MINIMAL, ["run"], "not of the form section.key=value"),
+        (MINIMAL, ["model.preset.x=1"], "model.preset is a value"),
+    ],
+)
+def test_bad_configs_get_clear_errors(tmp_path, text, overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(write(tmp_path, text), overrides)
+
+
+def test_url_passwords_are_masked_in_errors():
+    with pytest.raises(ConfigError) as err:
+        parse_config(MINIMAL, ["buffer.redis_url=http://user:s3cret@host:6379"])
+    assert "redis://, rediss://" in str(err.value)
+    assert "s3cret" not in str(err.value)
+    assert "user:***@host" in str(err.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match=r"config file not found: .*nope\.yaml"):
+        load_config("nope.yaml")
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def _models(model: type[pydantic.BaseModel], seen: set[type]) -> None:
+    if model in seen:
+        return
+    seen.add(model)
+    for field in model.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            ann = stack.pop()
+            if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
+                _models(ann, seen)
+            stack.extend(typing.get_args(ann))
+
+
+def test_every_field_has_a_description_and_models_forbid_extras():
+    seen: set[type] = set()
+    _models(RunConfig, seen)
+    assert set(LOSS_PRESETS.values()) <= seen  # the union's members were all reached
+    for model in seen:
+        assert model.model_config.get("extra") == "forbid", model
+        assert model.model_config.get("frozen") is True, model
+        for name, field in model.model_fields.items():
+            if name == "name" and model in LOSS_PRESETS.values():
+                continue  # the discriminator
+            assert field.description, f"{model.__name__}.{name} has no description"
