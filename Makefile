@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.staleflow-setup
 TORCH  := torch==2.13.0
 # Folders mypy checks (the pure packages).
-TYPED  := learner configs
+TYPED  := learner configs buffer
 
 .PHONY: setup lint typecheck test clean
 

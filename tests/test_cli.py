@@ -60,3 +60,45 @@ def test_losses_unknown_preset():
     out = staleflow("losses", "nope")
     assert out.returncode == 2
     assert "valid: reinforce" in out.stderr
+
+
+@pytest.mark.integration
+def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
+    from staleflow.buffer.records import Group, Response
+    from staleflow.buffer.replay import ReplayBuffer
+    from staleflow.buffer.server import RedisServer, redis_dir
+
+    def push(url: str, run: str, versions: list[int]) -> None:
+        buffer = ReplayBuffer(url, run)
+        for v in versions:
+            buffer.push(
+                Group.new(run_id=run, prompt_id="p", task="t", prompt_token_ids=[1],
+                          responses=[Response([2], [-0.5], 1.0)], policy_version=v,
+                          worker_id="w")
+            )  # fmt: skip
+
+    push(redis_url, "demo", [0, 0, 1])
+    out = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "demo", "--json")
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    assert (stats["pushed"], stats["length"], stats["undelivered"]) == (3, 3, 3)
+    assert stats["pushed_by_version"] == {"0": 2, "1": 1}
+    table = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "demo")
+    assert "pushed_by_version" in table.stdout
+    assert "v0: 2, v1: 1" in table.stdout
+
+    run_dir = tmp_path / "job"
+    with RedisServer(redis_dir(run_dir)) as server:  # the embedded server of a running job
+        push(server.url, "job", [5])
+        out = staleflow("buffer", "stats", "--run-dir", str(run_dir), "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["pushed"] == 1
+
+
+def test_buffer_stats_errors_are_clear(tmp_path):
+    out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "no embedded Redis server recorded" in out.stderr
+    out = staleflow("buffer", "stats", "--redis-url", "redis://:pw@127.0.0.1:1/0")
+    assert out.returncode == 2
+    assert "--run" in out.stderr

@@ -1,0 +1,81 @@
+"""Connecting to Redis by URL, with retries, and one clear error when it is gone."""
+
+from __future__ import annotations
+
+import functools
+import socket
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from staleflow.configs.loader import redact
+
+__all__ = ["BufferConnectionError", "connect", "translate_errors"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class BufferConnectionError(ConnectionError):
+    """Redis could not be reached after retrying; the message names the URL (password masked)."""
+
+
+class _RetryUnlessRefused(Retry):
+    """Retry dropped connections with backoff, but never a refused password: redis-py's
+    AuthenticationError is a ConnectionError, and retrying it only delays the error."""
+
+    def call_with_retry(
+        self,
+        do: Callable[[], R],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> R:
+        def retryable(error: Exception) -> bool:
+            if isinstance(error, redis.AuthenticationError):
+                return False
+            return is_retryable is None or is_retryable(error)
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> redis.Redis:
+    """A client for `url` (redis://, rediss:// with password, unix://) that retries dropped
+    connections with exponential backoff (~6 s in all) before giving up."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            f"Redis URL must start with redis://, rediss:// or unix:// (got {redact(url)!r})"
+        )
+    return redis.Redis.from_url(
+        url,
+        retry=_RetryUnlessRefused(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError, socket.timeout],
+        socket_timeout=socket_timeout_s,
+        socket_connect_timeout=5.0,
+        socket_keepalive=True,
+        health_check_interval=30,
+    )
+
+
+def translate_errors(method: Callable[P, R]) -> Callable[P, R]:
+    """Turn redis-py's connection errors (after its retries) into one clear error."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        where = getattr(args[0], "url_for_display", "?")
+        try:
+            return method(*args, **kwargs)
+        except redis.AuthenticationError as exc:
+            raise BufferConnectionError(
+                f"Redis at {where} refused the password ({exc}); check the password in the URL"
+            ) from exc
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise BufferConnectionError(
+                f"Redis at {where} is unreachable after retrying ({exc}); "
+                "start one, fix the URL, or omit --redis-url to use the embedded server"
+            ) from exc
+
+    return wrapper

@@ -1,0 +1,494 @@
+"""The replay buffer: trajectory groups in a Redis Stream, consumed through a consumer group.
+
+Producers (rollout workers) `push` one entry per group; the learner `take`s a batch, trains,
+and `ack`s the receipts once the step is committed. Invariants:
+
+- Nothing is lost: an entry leaves the stream only when acked (and out of reuses), dropped as
+  stale (counted), or moved to the `invalid` stream because it does not decode (counted).
+  Entries delivered to a consumer that dies stay pending and are reclaimed (XAUTOCLAIM) by the
+  next consumer after `claim_idle_s`. Capacity is back-pressure on producers, never trimming.
+- Nothing is duplicated: a push is idempotent by group id (a retried push returns the first
+  entry's id); an acked group is never delivered again, except through `replay` up to
+  `max_reuse` trainings in all.
+- Staleness is enforced here, in one place: a group whose policy version is older than
+  `learner_version - max_staleness` is never returned by `take`; it is dropped and counted.
+
+Every key lives under `staleflow:<run>:`, so runs can share a server. Each multi-key change is
+one Lua script, so a crash between two commands cannot leave counters and data disagreeing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import redis
+
+from staleflow.buffer import scripts
+from staleflow.buffer.codec import RecordError, decode, encode
+from staleflow.buffer.connection import BufferConnectionError, connect, translate_errors
+from staleflow.buffer.records import Group
+from staleflow.configs.loader import redact
+
+__all__ = [
+    "BufferConnectionError",
+    "BufferFullError",
+    "BufferStats",
+    "Receipt",
+    "ReplayBuffer",
+    "Taken",
+    "connect",
+]
+
+Sampling = Literal["fifo", "freshest", "replay"]
+GROUP_NAME = "learner"
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class BufferFullError(TimeoutError):
+    """A push waited `push_timeout_s` on a full buffer."""
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """Proof that a group was handed to the learner; pass it to `ack` after the step."""
+
+    entry_id: str
+    policy_version: int
+    replay: bool = False
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one `take` returned, plus what it dropped on the way."""
+
+    groups: list[Group]
+    receipts: list[Receipt]
+    dropped_stale: int = 0
+    dropped_invalid: int = 0
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """A snapshot of one run's buffer (see `ReplayBuffer.stats`)."""
+
+    run: str
+    capacity: int
+    length: int  # entries stored: undelivered + pending + kept for replay
+    undelivered: int  # never handed to a consumer
+    pending: int  # handed out, not yet acked (includes replays in flight)
+    replayable: int  # acked, may be trained on again
+    pushed: int
+    duplicates: int  # pushes refused as already present
+    acked: int  # trainings acknowledged (a replayed group counts each time)
+    reused: int  # acks beyond a group's first
+    dropped_stale: int
+    dropped_invalid: int
+    bytes_pushed: int
+    stream_bytes: int  # Redis' estimate of the stream's memory
+    pushed_by_version: dict[int, int] = field(default_factory=dict)
+    trained_by_version: dict[int, int] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- the buffer
+
+
+class ReplayBuffer:
+    """One run's replay buffer on a Redis server (see the module docstring).
+
+    A producer needs only `push`; a learner uses `take` and `ack`. Each learner process should
+    have its own `consumer` name (default: host, pid and a random suffix).
+    `claim_idle_s` must exceed the longest learner step, or a slow step's groups are handed to
+    another consumer.
+    """
+
+    def __init__(
+        self,
+        url: str | redis.Redis,
+        run: str,
+        *,
+        capacity: int = 1024,
+        sampling: Sampling = "fifo",
+        max_reuse: int = 1,
+        max_staleness: int | None = None,
+        push_timeout_s: float = 300.0,
+        claim_idle_s: float = 60.0,
+        consumer: str | None = None,
+        dedup_ttl_s: int = 7 * 24 * 3600,
+    ) -> None:
+        if not _RUN_NAME.match(run):
+            raise ValueError(
+                f"run name {run!r} must be 1-128 letters, digits, '_', '.' or '-', starting "
+                "with a letter or digit"
+            )
+        if sampling not in ("fifo", "freshest", "replay"):
+            raise ValueError(f"sampling must be fifo, freshest or replay, got {sampling!r}")
+        if max_reuse < 1 or (max_reuse > 1 and sampling != "replay"):
+            raise ValueError("max_reuse must be >= 1, and > 1 only with sampling='replay'")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if isinstance(url, str):
+            self.client = connect(url)
+            self.url_for_display = redact(url)
+        else:
+            self.client = url
+            kw = url.connection_pool.connection_kwargs
+            self.url_for_display = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}"
+        self.run = run
+        self.capacity = capacity
+        self.sampling: Sampling = sampling
+        self.max_reuse = max_reuse
+        self.max_staleness = max_staleness
+        self.push_timeout_s = push_timeout_s
+        self.claim_idle_s = claim_idle_s
+        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.dedup_ttl_s = dedup_ttl_s
+
+        prefix = f"staleflow:{run}:"
+        self.prefix = prefix
+        self.stream_key = prefix + "stream"
+        self.stats_key = prefix + "stats"
+        self.uses_key = prefix + "uses"
+        self.replay_key = prefix + "replay"
+        self.replay_pending_key = prefix + "replay:pending"
+        self.invalid_key = prefix + "invalid"
+        self.pushed_by_version_key = prefix + "versions:pushed"
+        self.trained_by_version_key = prefix + "versions:trained"
+
+        self._push = self.client.register_script(scripts.PUSH)
+        self._ack = self.client.register_script(scripts.ACK)
+        self._drop = self.client.register_script(scripts.DROP)
+        self._replay_take = self.client.register_script(scripts.REPLAY_TAKE)
+        self._replay_reclaim = self.client.register_script(scripts.REPLAY_RECLAIM)
+        # Entries delivered to this consumer but not yet handed out: entry id -> (version,
+        # payload). They stay pending in Redis, so they are reclaimed if this process dies.
+        self._pool: dict[str, tuple[int, bytes]] = {}
+        self._last_claim = 0.0
+        self._group_ready = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, url: str | redis.Redis, run: str, **kwargs: Any) -> ReplayBuffer:
+        """From a `BufferConfig` (staleflow.configs.schema)."""
+        return cls(
+            url,
+            run,
+            capacity=cfg.capacity,
+            sampling=cfg.sampling,
+            max_reuse=cfg.max_reuse,
+            max_staleness=cfg.max_staleness,
+            push_timeout_s=cfg.push_timeout_s,
+            claim_idle_s=cfg.claim_idle_s,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------------- producer
+
+    @translate_errors
+    def push(self, group: Group) -> str:
+        """Append one group; returns its stream entry id. Idempotent by `group.group_id`.
+
+        Blocks while the buffer holds `capacity` groups, then raises BufferFullError.
+        """
+        payload = encode(group)
+        deadline = time.monotonic() + self.push_timeout_s
+        delay = 0.005
+        while True:
+            status, entry_id = self._push(
+                keys=[
+                    self.stream_key,
+                    self.prefix + "gid:" + group.group_id,
+                    self.stats_key,
+                    self.pushed_by_version_key,
+                ],
+                args=[payload, group.policy_version, group.group_id, self.capacity,
+                      self.dedup_ttl_s],
+            )  # fmt: skip
+            if status != 2:
+                return _text(entry_id)
+            if time.monotonic() >= deadline:
+                raise BufferFullError(
+                    f"replay buffer of run {self.run!r} has been full ({self.capacity} groups) "
+                    f"for {self.push_timeout_s:g} s: the learner is not consuming (stopped or "
+                    "too slow). Raise buffer.capacity or buffer.push_timeout_s, or add learner "
+                    "throughput; the group was not pushed"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    # ------------------------------------------------------------------------- learner
+
+    @translate_errors
+    def take(self, n: int, learner_version: int, timeout_s: float = 0.0) -> Taken:
+        """Up to `n` groups trainable at `learner_version`, waiting up to `timeout_s` for
+        `n` to be available. Stale groups met on the way are dropped and counted."""
+        if n < 1:
+            raise ValueError(f"take needs n >= 1, got {n}")
+        self._ensure_group()
+        deadline = time.monotonic() + timeout_s
+        stale = invalid = 0
+        taken: list[tuple[str, int, bytes, bool]] = []
+        while True:
+            self._reclaim_if_due()
+            read = self._refill(n - len(taken), deadline)
+            stale += self._drop_stale_pooled(learner_version)
+            for entry_id in self._select(n - len(taken)):
+                version, payload = self._pool.pop(entry_id)
+                taken.append((entry_id, version, payload, False))
+            if len(taken) < n and self.sampling == "replay":
+                replays, dropped = self._take_replays(n - len(taken), learner_version)
+                taken.extend(replays)
+                stale += dropped
+            # Keep going while short and either time remains or the last read found entries
+            # (stale drops can eat a read; the next one may have fresh groups).
+            if len(taken) >= n or (read == 0 and time.monotonic() >= deadline):
+                break
+        groups, receipts = [], []
+        bad: list[tuple[str, bool, str]] = []
+        for entry_id, version, payload, replay in taken:
+            try:
+                group = decode(payload)
+                if group.policy_version != version:
+                    raise RecordError(
+                        "policy_version", f"{group.policy_version} but the entry says {version}"
+                    )
+            except RecordError as exc:
+                bad.append((entry_id, replay, str(exc)))
+                continue
+            groups.append(group)
+            receipts.append(Receipt(entry_id, version, replay))
+        if bad:
+            invalid = self._drop_entries(bad, "invalid")
+        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid)
+
+    @translate_errors
+    def ack(self, receipts: Iterable[Receipt]) -> int:
+        """Acknowledge groups whose training step is committed; returns how many were pending.
+
+        In `replay` mode a group stays for reuse until it has been acked `max_reuse` times.
+        """
+        args: list[Any] = [GROUP_NAME, self.max_reuse]
+        for r in receipts:
+            args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
+        if len(args) == 2:
+            return 0
+        keys = [
+            self.stream_key,
+            self.stats_key,
+            self.uses_key,
+            self.replay_key,
+            self.replay_pending_key,
+            self.trained_by_version_key,
+        ]
+        return int(self._ack(keys=keys, args=args))
+
+    @translate_errors
+    def stats(self) -> BufferStats:
+        """Counts for this run (cheap: a handful of O(1) commands and one memory estimate)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.xlen(self.stream_key)
+        pipe.hgetall(self.stats_key)
+        pipe.zcard(self.replay_key)
+        pipe.hlen(self.replay_pending_key)
+        pipe.hgetall(self.pushed_by_version_key)
+        pipe.hgetall(self.trained_by_version_key)
+        pipe.memory_usage(self.stream_key)
+        length, counters, replayable, replay_pending, pushed_v, trained_v, mem = pipe.execute()
+        group_pending = 0
+        try:
+            for info in self.client.xinfo_groups(self.stream_key):
+                if _text(info["name"]) == GROUP_NAME:
+                    group_pending = int(info["pending"])
+        except redis.ResponseError:  # no stream yet
+            pass
+        # Every stored entry is exactly one of: undelivered, pending in the consumer group,
+        # replayable, or a replay in flight; so undelivered is the remainder.
+        undelivered = int(length) - group_pending - int(replayable) - int(replay_pending)
+        c = {_text(k): int(v) for k, v in counters.items()}
+        return BufferStats(
+            run=self.run,
+            capacity=self.capacity,
+            length=int(length),
+            undelivered=undelivered,
+            pending=group_pending + int(replay_pending),
+            replayable=int(replayable),
+            pushed=c.get("pushed", 0),
+            duplicates=c.get("duplicates", 0),
+            acked=c.get("acked", 0),
+            reused=c.get("reused", 0),
+            dropped_stale=c.get("dropped_stale", 0),
+            dropped_invalid=c.get("dropped_invalid", 0),
+            bytes_pushed=c.get("bytes_pushed", 0),
+            stream_bytes=int(mem or 0),
+            pushed_by_version=_int_map(pushed_v),
+            trained_by_version=_int_map(trained_v),
+        )
+
+    @translate_errors
+    def clear(self) -> int:
+        """Delete every key of this run; returns how many were deleted."""
+        keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
+        self._pool.clear()
+        self._group_ready = False
+        return int(self.client.delete(*keys)) if keys else 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------- internals
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.client.xgroup_create(self.stream_key, GROUP_NAME, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _reclaim_if_due(self) -> None:
+        """Take over entries a dead consumer left pending, at most every claim_idle_s / 4."""
+        now = time.monotonic()
+        if now - self._last_claim < self.claim_idle_s / 4:
+            return
+        self._last_claim = now
+        idle_ms = int(self.claim_idle_s * 1000)
+        start = "0-0"
+        for _ in range(1000):  # bounded: each round claims up to 256
+            start, claimed, *_ = self.client.xautoclaim(
+                self.stream_key, GROUP_NAME, self.consumer, idle_ms, start_id=start, count=256
+            )
+            for entry_id, fields in claimed:
+                if fields:  # deleted entries come back empty
+                    self._pool.setdefault(_text(entry_id), _parse_fields(fields))
+            if _text(start) == "0-0":
+                break
+        if self.sampling == "replay":
+            self._replay_reclaim(
+                keys=[self.replay_key, self.replay_pending_key, self.uses_key],
+                args=[_now_ms(), idle_ms],
+            )
+
+    def _refill(self, need: int, deadline: float) -> int:
+        """Read new entries into the pool: what fifo needs, or everything for freshest.
+        Blocks (until the deadline, 5 s at most per call) only if the pool cannot cover
+        `need`."""
+        want = self.capacity if self.sampling == "freshest" else need - len(self._pool)
+        if want <= 0:
+            return 0
+        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        block = min(remaining_ms, 5000) if len(self._pool) < need else None
+        try:
+            reply: Any = self.client.xreadgroup(
+                GROUP_NAME, self.consumer, {self.stream_key: ">"}, count=want,
+                block=block or None,
+            )  # fmt: skip
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._group_ready = False  # the server lost the group (restart without AOF)
+            self._ensure_group()
+            return 0
+        count = 0
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._pool[_text(entry_id)] = _parse_fields(fields)
+                count += 1
+        return count
+
+    def _select(self, k: int) -> list[str]:
+        if k <= 0 or not self._pool:
+            return []
+        if self.sampling == "freshest":
+            order = sorted(self._pool, key=lambda i: (self._pool[i][0], _id_key(i)), reverse=True)
+        else:
+            order = sorted(self._pool, key=_id_key)
+        return order[:k]
+
+    def _min_version(self, learner_version: int) -> int | None:
+        if self.max_staleness is None:
+            return None
+        return learner_version - self.max_staleness
+
+    def _drop_stale_pooled(self, learner_version: int) -> int:
+        floor = self._min_version(learner_version)
+        if floor is None:
+            return 0
+        # version -1 marks a malformed entry: leave it to the decoder, which moves it to the
+        # invalid stream, rather than miscounting it as stale.
+        stale = [i for i, (v, _) in self._pool.items() if 0 <= v < floor]
+        for i in stale:
+            del self._pool[i]
+        return self._drop_entries([(i, False, "") for i in stale], "stale")
+
+    def _take_replays(
+        self, k: int, learner_version: int
+    ) -> tuple[list[tuple[str, int, bytes, bool]], int]:
+        rows = self._replay_take(
+            keys=[self.stream_key, self.replay_key, self.replay_pending_key], args=[k, _now_ms()]
+        )
+        floor = self._min_version(learner_version)
+        out, stale = [], []
+        for entry_id, version, payload in rows:
+            eid, v = _text(entry_id), int(version)
+            if floor is not None and v < floor:
+                stale.append((eid, True, ""))
+            else:
+                out.append((eid, v, bytes(payload), True))
+        return out, self._drop_entries(stale, "stale")
+
+    def _drop_entries(self, entries: Sequence[tuple[str, bool, str]], reason: str) -> int:
+        if not entries:
+            return 0
+        args: list[Any] = [GROUP_NAME, reason]
+        for entry_id, replay, error in entries:
+            args += [entry_id, "1" if replay else "0", error]
+        keys = [
+            self.stream_key,
+            self.stats_key,
+            self.uses_key,
+            self.replay_key,
+            self.replay_pending_key,
+            self.invalid_key,
+        ]
+        return int(self._drop(keys=keys, args=args))
+
+
+def _parse_fields(fields: dict[Any, Any]) -> tuple[int, bytes]:
+    """(policy version, payload) of a stream entry; a malformed entry gets version -1 and is
+    then rejected by the decoder (and moved to the invalid stream)."""
+    payload = fields.get(b"g", b"")
+    try:
+        version = int(fields.get(b"v", b"-1"))
+    except ValueError:
+        version = -1
+    return version, bytes(payload)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int_map(raw: dict[Any, Any]) -> dict[int, int]:
+    return dict(sorted((int(k), int(v)) for k, v in raw.items()))
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

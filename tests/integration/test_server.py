@@ -1,0 +1,107 @@
+"""The embedded redis-server: started private, found through the run directory, always stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from staleflow.buffer.server import RedisServer, RedisServerError, read_server_url
+
+pytestmark = pytest.mark.integration
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is gone for our purposes
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split()[2] != "Z"
+
+
+def wait_dead(pid: int, timeout_s: float = 10) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_private_server_lifecycle(tmp_path):
+    with RedisServer(tmp_path / "redis") as server:
+        pid = server.process.pid
+        assert server.url.startswith("redis://:")
+        assert "@127.0.0.1:" in server.url
+        assert redis.Redis.from_url(server.url).ping()
+        with pytest.raises(redis.AuthenticationError):  # a password is required
+            redis.Redis(host="127.0.0.1", port=server.port, retry=None).ping()
+        record = tmp_path / "redis" / "server.json"
+        assert stat.S_IMODE(record.stat().st_mode) == 0o600  # it holds the password
+        assert read_server_url(tmp_path / "redis") == server.url
+    assert wait_dead(pid)
+    assert not record.exists()
+
+
+def test_stopped_when_the_block_raises(tmp_path):
+    server = RedisServer(tmp_path).start()
+    pid = server.process.pid
+
+    def fail_inside() -> None:
+        with server:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_inside()
+    assert wait_dead(pid)
+
+
+_CHILD = """
+import sys, time
+from staleflow.buffer.server import RedisServer
+with RedisServer(sys.argv[1]) as server:
+    print(server.process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_stopped_on_ctrl_c_and_when_the_owner_dies(tmp_path, sig):
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    pid = int(owner.stdout.readline())
+    assert alive(pid)
+    owner.send_signal(sig)  # Ctrl-C unwinds the with-block; SIGKILL leaves it to the kernel
+    owner.wait(timeout=30)
+    assert wait_dead(pid), f"redis-server {pid} outlived its owner after {sig.name}"
+
+
+def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RedisServerError, match="apt-get install redis-server"):
+        RedisServer(tmp_path)
+
+
+def test_server_that_cannot_start_reports_why(tmp_path, redis_server):
+    taken_port = redis_server.port  # already in use by the session's server
+    with pytest.raises(RedisServerError, match=f"port {taken_port}"):
+        RedisServer(tmp_path, port=taken_port, start_timeout_s=5).start()
+
+
+def test_read_server_url_without_a_server(tmp_path):
+    with pytest.raises(RedisServerError, match="no embedded Redis server recorded"):
+        read_server_url(tmp_path)
+    (tmp_path / "server.json").write_text(json.dumps({"nope": 1}))
+    with pytest.raises(RedisServerError, match="not a server record"):
+        read_server_url(tmp_path)
