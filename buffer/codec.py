@@ -1,23 +1,22 @@
-"""Versioned msgpack codec for `Group` records. Never pickle: bytes in Redis are untrusted.
+"""Versioned codec for `Group` records: a msgpack header plus raw little-endian arrays.
 
-Layout (schema 1), a msgpack map with short keys:
+Never pickle: bytes in Redis are untrusted. A group is four fields (schema 1):
 
-    schema  int             SCHEMA_VERSION
-    run     str             run_id
-    gid     str             group_id
-    pid     str             prompt_id
-    task    str             task
-    prompt  [dtype, shape, bytes]   int32 [P]
-    resp    [ {tok: [dtype, shape, bytes] int32 [L], logp: [..] float32 [L], r: float,
-               fin: str, meta: {str: scalar}} ... ]   K >= 1
-    ver     int             policy_version
-    worker  str             worker_id
-    t       float           created_at
+    h       msgpack map: schema, run, gid, pid, task, ver, worker, t (created_at),
+            lens [int] * K, r [float] * K, fin [str] * K, meta [{str: scalar}] * K,
+            arrays {prompt: [dtype, shape], tok: [dtype, shape], logp: [dtype, shape]}
+    prompt  raw bytes   int32 [P]
+    tok     raw bytes   int32 [sum(lens)], every response's tokens, concatenated
+    logp    raw bytes   float32 [sum(lens)], their behaviour log-probs
 
-Arrays travel as raw little-endian bytes with their dtype string and shape, and come back as
-zero-copy read-only numpy views. `decode` checks every field (types, dtypes, shapes against
-byte lengths, limits, finiteness) and raises `RecordError` naming the offending field; no input
-makes it raise anything else, loop, or allocate more than a small multiple of the input size.
+In Redis the four are fields of one stream entry, so the arrays are written straight from the
+group's memory and read back as zero-copy views: a 66 KB group costs a few microseconds of
+header work on top of moving its bytes. `encode`/`decode` wrap the same fields into one msgpack
+map for files and tests.
+
+Decoding checks every field (types, dtypes, shapes against byte lengths, limits, finiteness of
+log-probs and rewards) and raises `RecordError` naming the offending field; no input makes it
+raise anything else, loop, or allocate more than a small multiple of the input size.
 """
 
 from __future__ import annotations
@@ -31,15 +30,24 @@ import numpy as np
 
 from staleflow.buffer.records import (
     FINISH_REASONS,
+    LENGTH_DTYPE,
     LOGP_DTYPE,
+    REWARD_DTYPE,
     SCHEMA_VERSION,
     TOKEN_DTYPE,
     Group,
     MetaValue,
-    Response,
 )
 
-__all__ = ["LIMITS", "RecordError", "decode", "encode"]
+__all__ = [
+    "ARRAY_FIELDS",
+    "LIMITS",
+    "RecordError",
+    "decode",
+    "decode_fields",
+    "encode",
+    "encode_fields",
+]
 
 
 class RecordError(ValueError):
@@ -61,61 +69,66 @@ LIMITS = {
 }
 """Upper bounds checked on decode (and encode), so a hostile record cannot exhaust memory."""
 
-_KEYS = frozenset({"schema", "run", "gid", "pid", "task", "prompt", "resp", "ver", "worker", "t"})
-_RESPONSE_KEYS = frozenset({"tok", "logp", "r", "fin", "meta"})
+ARRAY_FIELDS = {"prompt": TOKEN_DTYPE, "tok": TOKEN_DTYPE, "logp": LOGP_DTYPE}
+"""The raw-array fields of a record and their dtypes."""
+_FIELDS = frozenset({"h", *ARRAY_FIELDS})
+_HEADER_KEYS = frozenset(
+    {"schema", "run", "gid", "pid", "task", "ver", "worker", "t", "lens", "r", "fin", "meta",
+     "arrays"}
+)  # fmt: skip
+_FINISH = frozenset(FINISH_REASONS)
+_ARRAY_NAMES = {"prompt": "prompt_token_ids", "tok": "token_ids", "logp": "behavior_logp"}
 
 
 # ----------------------------------------------------------------------------- encode
 
 
-def encode(group: Group) -> bytes:
-    """Serialise a group; raises RecordError if a field has the wrong type, dtype or size."""
-    _check_str(group.run_id, "run_id")
-    _check_str(group.group_id, "group_id")
-    _check_str(group.prompt_id, "prompt_id")
-    _check_str(group.task, "task")
-    _check_str(group.worker_id, "worker_id")
+def encode_fields(group: Group) -> dict[str, bytes | memoryview]:
+    """The record as stream-entry fields: the header and three zero-copy array views."""
+    for name in ("run_id", "group_id", "prompt_id", "task", "worker_id"):
+        _check_str(getattr(group, name), name)
     _check_int(group.policy_version, "policy_version")
-    if not group.responses:
-        raise RecordError("responses", "a group needs at least one response")
-    if len(group.responses) > LIMITS["responses"]:
-        raise RecordError("responses", f"{len(group.responses)} > limit {LIMITS['responses']}")
-    responses = []
-    for i, r in enumerate(group.responses):
-        name = f"responses[{i}]"
-        tokens = _array_out(r.token_ids, TOKEN_DTYPE, f"{name}.token_ids")
-        logp = _array_out(r.behavior_logp, LOGP_DTYPE, f"{name}.behavior_logp")
-        if len(r.token_ids) != len(r.behavior_logp):
-            raise RecordError(
-                f"{name}.behavior_logp",
-                f"{len(r.behavior_logp)} log-probs for {len(r.token_ids)} tokens",
-            )
-        responses.append(
-            {
-                "tok": tokens,
-                "logp": logp,
-                "r": _check_reward(r.reward, f"{name}.reward"),
-                "fin": _check_finish(r.finish_reason, f"{name}.finish_reason"),
-                "meta": _check_meta(r.metadata, f"{name}.metadata"),
-            }
-        )
-    payload = {
+    lens = _array_out(group.lengths, LENGTH_DTYPE, "lengths", LIMITS["responses"]).tolist()
+    k = _check_lengths(lens)
+    per_group = LIMITS["tokens"] * k
+    arrays = {
+        "prompt": _array_out(
+            group.prompt_token_ids, TOKEN_DTYPE, "prompt_token_ids", LIMITS["tokens"]
+        ),
+        "tok": _array_out(group.token_ids, TOKEN_DTYPE, "token_ids", per_group),
+        "logp": _array_out(group.behavior_logp, LOGP_DTYPE, "behavior_logp", per_group),
+    }
+    _check_arrays(arrays, sum(lens))
+    if not isinstance(group.rewards, np.ndarray) or group.rewards.dtype != REWARD_DTYPE:
+        raise RecordError("rewards", f"expected float64 [{k}], got {_describe(group.rewards)}")
+    header = {
         "schema": SCHEMA_VERSION,
         "run": group.run_id,
         "gid": group.group_id,
         "pid": group.prompt_id,
         "task": group.task,
-        "prompt": _array_out(group.prompt_token_ids, TOKEN_DTYPE, "prompt_token_ids"),
-        "resp": responses,
-        "ver": group.policy_version,
+        "ver": int(group.policy_version),
         "worker": group.worker_id,
         "t": float(group.created_at),
+        "lens": lens,
+        "r": _check_rewards(group.rewards.tolist(), k),
+        "fin": list(_check_finish(group.finish_reasons, k)),
+        "meta": list(_check_metadata(group.metadata, k)),
+        "arrays": {name: [a.dtype.str, [len(a)]] for name, a in arrays.items()},
     }
-    data: bytes = msgpack.packb(payload, use_bin_type=True)
+    fields: dict[str, bytes | memoryview] = {"h": msgpack.packb(header, use_bin_type=True)}
+    for name, a in arrays.items():
+        fields[name] = (a if a.flags.c_contiguous else np.ascontiguousarray(a)).data
+    return fields
+
+
+def encode(group: Group) -> bytes:
+    """The record as one msgpack map of its fields (for files and tests)."""
+    data: bytes = msgpack.packb(encode_fields(group), use_bin_type=True)
     return data
 
 
-def _array_out(array: Any, dtype: np.dtype, field: str) -> list[Any]:
+def _array_out(array: Any, dtype: np.dtype, field: str, limit: int) -> np.ndarray:
     if not isinstance(array, np.ndarray):
         raise RecordError(field, f"expected a numpy array, got {type(array).__name__}")
     if array.dtype != dtype:
@@ -125,153 +138,174 @@ def _array_out(array: Any, dtype: np.dtype, field: str) -> list[Any]:
         )
     if array.ndim != 1:
         raise RecordError(field, f"shape {array.shape}, expected one dimension")
-    if len(array) > LIMITS["tokens"]:
-        raise RecordError(field, f"{len(array)} entries > limit {LIMITS['tokens']}")
-    _check_values(array, dtype, field)
-    return [dtype.str, [len(array)], np.ascontiguousarray(array).tobytes()]
+    if len(array) > limit:
+        raise RecordError(field, f"{len(array)} entries > limit {limit}")
+    return array
 
 
 # ----------------------------------------------------------------------------- decode
 
 
 def decode(data: bytes | bytearray | memoryview) -> Group:
-    """Parse and validate an encoded group; raises RecordError naming the bad field."""
+    """Parse and validate a record made by `encode`; raises RecordError naming the field."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise RecordError("<record>", f"expected bytes, got {type(data).__name__}")
     if len(data) > LIMITS["record_bytes"]:
         raise RecordError("<record>", f"{len(data)} bytes > limit {LIMITS['record_bytes']}")
-    try:
-        obj = msgpack.unpackb(
-            data,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=max(LIMITS["string"], LIMITS["meta_string"]),
-            max_bin_len=LIMITS["tokens"] * 4,
-            max_array_len=max(LIMITS["responses"], 3),
-            max_map_len=max(LIMITS["meta_entries"], len(_KEYS)),
-            max_ext_len=0,
-        )
-    except RecordError:
-        raise
-    except Exception as exc:  # msgpack raises many types on malformed input; all mean one thing
-        raise RecordError("<record>", f"not a msgpack group record ({exc})") from None
-    if not isinstance(obj, dict):
-        raise RecordError("<record>", f"expected a map, got {type(obj).__name__}")
-    schema = obj.get("schema")
+    fields = _unpack(data, "<record>", max_bin_len=LIMITS["record_bytes"])
+    if not isinstance(fields, dict):
+        raise RecordError("<record>", f"expected a map, got {type(fields).__name__}")
+    return decode_fields(fields)
+
+
+def decode_fields(fields: Mapping[Any, Any]) -> Group:
+    """Parse and validate a record from its stream-entry fields (str or bytes keys)."""
+    named = {
+        (k.decode("utf-8", "replace") if isinstance(k, bytes) else k): v for k, v in fields.items()
+    }
+    missing = sorted(_FIELDS - named.keys())
+    if missing:
+        raise RecordError("<record>", f"missing fields {missing}")
+    raw_header = named["h"]
+    if not isinstance(raw_header, bytes) or len(raw_header) > LIMITS["record_bytes"]:
+        raise RecordError("header", "expected the msgpack header as bytes")
+    header = _unpack(raw_header, "header", max_bin_len=0)
+    if not isinstance(header, dict):
+        raise RecordError("header", f"expected a map, got {type(header).__name__}")
+    schema = header.get("schema")
     if schema != SCHEMA_VERSION:
         raise RecordError(
             "schema_version",
             f"{schema!r} is not a known schema version (this build reads {SCHEMA_VERSION})",
         )
-    _check_keys(obj, _KEYS, "<record>")
-    raw_responses = obj["resp"]
-    if not isinstance(raw_responses, list) or not raw_responses:
-        raise RecordError("responses", "expected a non-empty list of responses")
-    responses = []
-    for i, raw in enumerate(raw_responses):
-        name = f"responses[{i}]"
-        if not isinstance(raw, dict):
-            raise RecordError(name, f"expected a map, got {type(raw).__name__}")
-        _check_keys(raw, _RESPONSE_KEYS, name)
-        tokens = _array_in(raw["tok"], TOKEN_DTYPE, f"{name}.token_ids")
-        logp = _array_in(raw["logp"], LOGP_DTYPE, f"{name}.behavior_logp")
-        if len(tokens) != len(logp):
-            raise RecordError(
-                f"{name}.behavior_logp", f"{len(logp)} log-probs for {len(tokens)} tokens"
-            )
-        responses.append(
-            Response(
-                token_ids=tokens,
-                behavior_logp=logp,
-                reward=_check_reward(raw["r"], f"{name}.reward"),
-                finish_reason=_check_finish(raw["fin"], f"{name}.finish_reason"),
-                metadata=_check_meta(raw["meta"], f"{name}.metadata"),
-            )
-        )
-    created_at = obj["t"]
+    if header.keys() != _HEADER_KEYS:
+        missing = sorted(_HEADER_KEYS - header.keys())
+        extra = sorted(map(repr, header.keys() - _HEADER_KEYS))
+        raise RecordError("header", f"missing keys {missing}, unexpected keys {extra}")
+    lens = header["lens"]
+    if not (isinstance(lens, list) and all(type(n) is int for n in lens)):
+        raise RecordError("lengths", "expected a list of integers")
+    k = _check_lengths(lens)
+    specs = header["arrays"]
+    if not (isinstance(specs, dict) and specs.keys() == ARRAY_FIELDS.keys()):
+        raise RecordError("header.arrays", f"expected specs for {sorted(ARRAY_FIELDS)}")
+    arrays = {
+        name: _array_in(specs[name], named[name], dtype, _ARRAY_NAMES[name],
+                        LIMITS["tokens"] * (1 if name == "prompt" else k))
+        for name, dtype in ARRAY_FIELDS.items()
+    }  # fmt: skip
+    _check_arrays(arrays, sum(lens))
+    created_at = header["t"]
     if not isinstance(created_at, float) or not math.isfinite(created_at):
         raise RecordError("created_at", f"expected a finite float, got {created_at!r}")
     return Group(
-        run_id=_check_str(obj["run"], "run_id"),
-        group_id=_check_str(obj["gid"], "group_id"),
-        prompt_id=_check_str(obj["pid"], "prompt_id"),
-        task=_check_str(obj["task"], "task"),
-        prompt_token_ids=_array_in(obj["prompt"], TOKEN_DTYPE, "prompt_token_ids"),
-        responses=tuple(responses),
-        policy_version=_check_int(obj["ver"], "policy_version"),
-        worker_id=_check_str(obj["worker"], "worker_id"),
+        run_id=_check_str(header["run"], "run_id"),
+        group_id=_check_str(header["gid"], "group_id"),
+        prompt_id=_check_str(header["pid"], "prompt_id"),
+        task=_check_str(header["task"], "task"),
+        prompt_token_ids=arrays["prompt"],
+        token_ids=arrays["tok"],
+        behavior_logp=arrays["logp"],
+        lengths=np.array(lens, dtype=LENGTH_DTYPE),
+        rewards=np.array(_check_rewards(header["r"], k), dtype=REWARD_DTYPE),
+        finish_reasons=_check_finish(header["fin"], k),
+        metadata=_check_metadata(header["meta"], k),
+        policy_version=_check_int(header["ver"], "policy_version"),
+        worker_id=_check_str(header["worker"], "worker_id"),
         created_at=created_at,
         schema_version=SCHEMA_VERSION,
     )
 
 
-def _array_in(raw: Any, dtype: np.dtype, field: str) -> np.ndarray:
-    if not (isinstance(raw, list) and len(raw) == 3):
-        raise RecordError(field, "expected [dtype, shape, bytes]")
-    dtype_str, shape, buf = raw
+def _unpack(data: Any, field: str, max_bin_len: int) -> Any:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=max(LIMITS["string"], LIMITS["meta_string"]),
+            max_bin_len=max_bin_len,
+            max_array_len=LIMITS["responses"],
+            max_map_len=max(LIMITS["meta_entries"], len(_HEADER_KEYS)),
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types on malformed input; all mean one thing
+        raise RecordError(field, f"not valid msgpack ({exc})") from None
+
+
+def _array_in(spec: Any, buf: Any, dtype: np.dtype, field: str, limit: int) -> np.ndarray:
+    if not (isinstance(spec, list) and len(spec) == 2):
+        raise RecordError(field, "expected [dtype, shape] in the header")
+    dtype_str, shape = spec
     if dtype_str != dtype.str:
         raise RecordError(field, f"dtype {dtype_str!r} not allowed here, expected {dtype.str!r}")
     if not (isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int):
         raise RecordError(field, f"shape {shape!r}, expected [length]")
     (length,) = shape
-    if not 0 <= length <= LIMITS["tokens"]:
-        raise RecordError(field, f"length {length} outside [0, {LIMITS['tokens']}]")
+    if not 0 <= length <= limit:
+        raise RecordError(field, f"length {length} outside [0, {limit}]")
     if not isinstance(buf, bytes) or len(buf) != length * dtype.itemsize:
         size = len(buf) if isinstance(buf, bytes) else type(buf).__name__
         raise RecordError(field, f"{size} data bytes for shape [{length}] of {dtype.str}")
-    array = np.frombuffer(buf, dtype=dtype)
-    _check_values(array, dtype, field)
-    return array
+    return np.frombuffer(buf, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- field checks
+# NumPy calls cost microseconds each even on tiny arrays, so these use as few as possible:
+# K-sized values are checked as Python lists, token-sized arrays with one reduction each.
 
 
-def _check_values(array: np.ndarray, dtype: np.dtype, field: str) -> None:
-    if len(array) == 0:
-        return
-    if dtype == TOKEN_DTYPE and int(array.min()) < 0:
-        raise RecordError(field, "negative token id")
-    if dtype == LOGP_DTYPE and not np.isfinite(array).all():
-        raise RecordError(field, "log-probs must be finite")
+def _check_lengths(lens: list[int]) -> int:
+    if not lens:
+        raise RecordError("responses", "a group needs at least one response")
+    if len(lens) > LIMITS["responses"]:
+        raise RecordError("responses", f"{len(lens)} > limit {LIMITS['responses']}")
+    if min(lens) < 0 or max(lens) > LIMITS["tokens"]:
+        raise RecordError("lengths", f"each response length must be in [0, {LIMITS['tokens']}]")
+    return len(lens)
 
 
-def _check_keys(obj: dict[Any, Any], expected: frozenset[str], field: str) -> None:
-    keys = set(obj)
-    if keys != expected:
-        missing, extra = sorted(expected - keys), sorted(map(repr, keys - expected))
-        raise RecordError(field, f"missing keys {missing}, unexpected keys {extra}")
+def _check_arrays(arrays: dict[str, np.ndarray], total: int) -> None:
+    tokens, logp = arrays["tok"], arrays["logp"]
+    if len(tokens) != total:
+        raise RecordError("token_ids", f"{len(tokens)} tokens but the lengths sum to {total}")
+    if len(logp) != total:
+        raise RecordError("behavior_logp", f"{len(logp)} log-probs for {total} tokens")
+    for name in ("tok", "prompt"):
+        if len(arrays[name]) and int(arrays[name].min()) < 0:
+            raise RecordError(_ARRAY_NAMES[name], "negative token id")
+    # A sum is NaN or inf when any term is (log-probs big enough to overflow a float32 sum,
+    # beyond 1e34 in magnitude, are rejected too: no sampler produces them).
+    if total and not math.isfinite(float(logp.sum())):
+        raise RecordError("behavior_logp", "log-probs must be finite")
 
 
-def _check_str(value: Any, field: str) -> str:
-    if not isinstance(value, str):
-        raise RecordError(field, f"expected a string, got {type(value).__name__}")
-    if len(value) > LIMITS["string"]:
-        raise RecordError(field, f"{len(value)} characters > limit {LIMITS['string']}")
-    return value
+def _check_rewards(rewards: Any, k: int) -> list[float]:
+    if not (isinstance(rewards, list) and len(rewards) == k):
+        raise RecordError("rewards", f"expected {k} numbers, got {_describe(rewards)}")
+    if not all(type(r) in (float, int) for r in rewards):
+        raise RecordError("rewards", "expected numbers")
+    if not math.isfinite(sum(rewards)):
+        raise RecordError("rewards", "rewards must be finite")
+    return rewards
 
 
-def _check_int(value: Any, field: str) -> int:
-    if type(value) is not int and not isinstance(value, np.integer):
-        raise RecordError(field, f"expected an integer, got {type(value).__name__}")
-    if not 0 <= int(value) < 2**53:
-        raise RecordError(field, f"{value} outside [0, 2**53)")
-    return int(value)
+def _check_finish(values: Any, k: int) -> tuple[str, ...]:
+    if not isinstance(values, list | tuple) or len(values) != k:
+        raise RecordError("finish_reasons", f"expected {k} entries, got {_describe(values)}")
+    if not all(type(v) is str for v in values) or not _FINISH.issuperset(values):
+        bad = next(v for v in values if type(v) is not str or v not in _FINISH)
+        raise RecordError("finish_reasons", f"{bad!r} is not one of {', '.join(FINISH_REASONS)}")
+    return tuple(values)
 
 
-def _check_reward(value: Any, field: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.floating):
-        raise RecordError(field, f"expected a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise RecordError(field, f"must be finite, got {value}")
-    return float(value)
-
-
-def _check_finish(value: Any, field: str) -> str:
-    if value not in FINISH_REASONS:
-        raise RecordError(field, f"{value!r} is not one of {', '.join(FINISH_REASONS)}")
-    return str(value)
+def _check_metadata(values: Any, k: int) -> tuple[dict[str, MetaValue], ...]:
+    if not isinstance(values, list | tuple) or len(values) != k:
+        raise RecordError("metadata", f"expected {k} entries, got {_describe(values)}")
+    if not any(values) and all(type(m) is dict for m in values):
+        return tuple(values)  # the common case: no metadata at all
+    return tuple(_check_meta(m, f"metadata[{i}]") for i, m in enumerate(values))
 
 
 def _check_meta(value: Any, field: str) -> dict[str, MetaValue]:
@@ -293,3 +327,27 @@ def _check_meta(value: Any, field: str) -> dict[str, MetaValue]:
             raise RecordError(f"{field}.{key}", f"must be a scalar, got {type(item).__name__}")
         out[key] = item
     return out
+
+
+def _check_str(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise RecordError(field, f"expected a string, got {type(value).__name__}")
+    if len(value) > LIMITS["string"]:
+        raise RecordError(field, f"{len(value)} characters > limit {LIMITS['string']}")
+    return value
+
+
+def _check_int(value: Any, field: str) -> int:
+    if type(value) is not int and not isinstance(value, np.integer):
+        raise RecordError(field, f"expected an integer, got {type(value).__name__}")
+    if not 0 <= int(value) < 2**53:
+        raise RecordError(field, f"{value} outside [0, 2**53)")
+    return int(value)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype} {list(value.shape)}"
+    if isinstance(value, list | tuple | str | bytes | dict):
+        return f"{type(value).__name__} of length {len(value)}"
+    return type(value).__name__

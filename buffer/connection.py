@@ -8,12 +8,12 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from staleflow.configs.loader import redact
 
-__all__ = ["BufferConnectionError", "connect", "translate_errors"]
+__all__ = ["BufferConnectionError", "connect", "translate_errors", "without_retries"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -58,6 +58,13 @@ def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> re
         socket_keepalive=True,
         health_check_interval=30,
     )
+
+
+def without_retries(client: redis.Redis) -> redis.Redis:
+    """A client for the same server whose connections never retry a command by themselves."""
+    pool = client.connection_pool
+    kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+    return redis.Redis(connection_pool=redis.ConnectionPool(pool.connection_class, **kwargs))
 
 
 def translate_errors(method: Callable[P, R]) -> Callable[P, R]:

@@ -2,6 +2,9 @@
 
 This is the unit that crosses every process boundary (rollout worker -> Redis -> learner), so
 every field's type, shape and dtype is fixed here and checked by the codec (buffer/codec.py).
+A group stores its responses as a struct of arrays (all tokens concatenated, plus per-response
+lengths), which is what the learner pads into batches and what the codec moves without
+per-response work; `Group.responses` gives per-response views when you want them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ TOKEN_DTYPE = np.dtype("<i4")
 """Token ids: little-endian int32."""
 LOGP_DTYPE = np.dtype("<f4")
 """Behaviour log-probs: little-endian float32."""
+LENGTH_DTYPE = np.dtype("<i4")
+REWARD_DTYPE = np.dtype("<f8")
 
 FINISH_REASONS = ("stop", "length", "abort")
 """Why generation ended: eos or a stop string, max_new_tokens, or cut short."""
@@ -40,18 +45,17 @@ MetaValue = str | int | float | bool | None
 
 @dataclass(frozen=True, eq=False)
 class Response:
-    """One sampled response.
+    """One sampled response (an input to `Group.new`, or a view from `Group.responses`).
 
     token_ids:      int32 [L], the generated tokens (prompt excluded).
-    behavior_logp:  float32 [L], log-prob the engine sampled each token with (temperature
-                    applied, see the engine's docs for top-p/top-k).
+    behavior_logp:  float32 [L], log-prob the engine sampled each token with.
     reward:         float, finite.
     finish_reason:  one of FINISH_REASONS.
-    metadata:       optional str -> scalar mapping (e.g. parse failures, extracted answer).
+    metadata:       str -> scalar mapping (e.g. the extracted answer, a parse failure).
     """
 
-    token_ids: np.ndarray
-    behavior_logp: np.ndarray
+    token_ids: np.ndarray | Sequence[int]
+    behavior_logp: np.ndarray | Sequence[float]
     reward: float
     finish_reason: str = "stop"
     metadata: Mapping[str, MetaValue] = field(default_factory=dict)
@@ -72,14 +76,19 @@ class Response:
 
 @dataclass(frozen=True, eq=False)
 class Group:
-    """K responses to one prompt, produced by one policy version (never mixed).
+    """K >= 1 responses to one prompt, produced by one policy version (never mixed).
 
     run_id:           the run this group belongs to.
     group_id:         uuid4 hex; the buffer deduplicates pushes by it.
-    prompt_id:        stable id of the prompt within its task (for held-out splits, replay).
+    prompt_id:        stable id of the prompt within its task (held-out splits, replay).
     task:             task name, e.g. "arithmetic".
     prompt_token_ids: int32 [P], the prompt as the model saw it (chat template applied).
-    responses:        K >= 1 responses.
+    token_ids:        int32 [N], every response's tokens concatenated, N = sum(lengths).
+    behavior_logp:    float32 [N], the behaviour log-prob of each of those tokens.
+    lengths:          int32 [K], tokens of each response.
+    rewards:          float64 [K].
+    finish_reasons:   K strings from FINISH_REASONS.
+    metadata:         K mappings of str -> scalar.
     policy_version:   version of the weights that sampled every response (>= 0).
     worker_id:        the rollout worker that produced it.
     created_at:       unix time in seconds when the group was completed.
@@ -91,7 +100,12 @@ class Group:
     prompt_id: str
     task: str
     prompt_token_ids: np.ndarray
-    responses: tuple[Response, ...]
+    token_ids: np.ndarray
+    behavior_logp: np.ndarray
+    lengths: np.ndarray
+    rewards: np.ndarray
+    finish_reasons: tuple[str, ...]
+    metadata: tuple[Mapping[str, MetaValue], ...]
     policy_version: int
     worker_id: str
     created_at: float
@@ -109,37 +123,61 @@ class Group:
         policy_version: int,
         worker_id: str,
     ) -> Group:
-        """A fresh group with a new id and the current time, arrays coerced to their dtypes."""
+        """A fresh group (new id, current time) from per-response parts, dtypes coerced."""
+        tokens = [np.asarray(r.token_ids, dtype=TOKEN_DTYPE) for r in responses]
+        logps = [np.asarray(r.behavior_logp, dtype=LOGP_DTYPE) for r in responses]
+        for i, (t, lp) in enumerate(zip(tokens, logps, strict=True)):
+            if t.shape != lp.shape or t.ndim != 1:
+                raise ValueError(
+                    f"response {i}: token_ids {t.shape} and behavior_logp {lp.shape} must be "
+                    "one-dimensional and of equal length"
+                )
         return cls(
             run_id=run_id,
             group_id=uuid.uuid4().hex,
             prompt_id=prompt_id,
             task=task,
             prompt_token_ids=np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE),
-            responses=tuple(
-                Response(
-                    token_ids=np.asarray(r.token_ids, dtype=TOKEN_DTYPE),
-                    behavior_logp=np.asarray(r.behavior_logp, dtype=LOGP_DTYPE),
-                    reward=float(r.reward),
-                    finish_reason=r.finish_reason,
-                    metadata=dict(r.metadata),
-                )
-                for r in responses
-            ),
+            token_ids=np.concatenate(tokens) if tokens else np.zeros(0, TOKEN_DTYPE),
+            behavior_logp=np.concatenate(logps) if logps else np.zeros(0, LOGP_DTYPE),
+            lengths=np.array([len(t) for t in tokens], dtype=LENGTH_DTYPE),
+            rewards=np.array([float(r.reward) for r in responses], dtype=REWARD_DTYPE),
+            finish_reasons=tuple(r.finish_reason for r in responses),
+            metadata=tuple(dict(r.metadata) for r in responses),
             policy_version=int(policy_version),
             worker_id=worker_id,
             created_at=time.time(),
         )
 
     @property
-    def rewards(self) -> np.ndarray:
-        """float32 [K]."""
-        return np.array([r.reward for r in self.responses], dtype=np.float32)
+    def k(self) -> int:
+        """Responses in the group."""
+        return len(self.lengths)
 
     @property
     def num_tokens(self) -> int:
         """Generated tokens over all responses."""
-        return sum(len(r.token_ids) for r in self.responses)
+        return len(self.token_ids)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """int64 [K + 1]: response i is token_ids[offsets[i]:offsets[i + 1]]."""
+        return np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
+
+    @property
+    def responses(self) -> tuple[Response, ...]:
+        """Per-response views (no copies) of the arrays."""
+        bounds = self.offsets.tolist()
+        return tuple(
+            Response(
+                token_ids=self.token_ids[bounds[i] : bounds[i + 1]],
+                behavior_logp=self.behavior_logp[bounds[i] : bounds[i + 1]],
+                reward=float(self.rewards[i]),
+                finish_reason=self.finish_reasons[i],
+                metadata=self.metadata[i],
+            )
+            for i in range(self.k)
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Group):
@@ -150,7 +188,12 @@ class Group:
             and self.prompt_id == other.prompt_id
             and self.task == other.task
             and np.array_equal(self.prompt_token_ids, other.prompt_token_ids)
-            and self.responses == other.responses
+            and np.array_equal(self.token_ids, other.token_ids)
+            and np.array_equal(self.behavior_logp, other.behavior_logp)
+            and np.array_equal(self.lengths, other.lengths)
+            and np.array_equal(self.rewards, other.rewards)
+            and self.finish_reasons == other.finish_reasons
+            and [dict(m) for m in self.metadata] == [dict(m) for m in other.metadata]
             and self.policy_version == other.policy_version
             and self.worker_id == other.worker_id
             and self.created_at == other.created_at

@@ -31,8 +31,13 @@ from typing import Any, Literal
 import redis
 
 from staleflow.buffer import scripts
-from staleflow.buffer.codec import RecordError, decode, encode
-from staleflow.buffer.connection import BufferConnectionError, connect, translate_errors
+from staleflow.buffer.codec import RecordError, decode_fields, encode_fields
+from staleflow.buffer.connection import (
+    BufferConnectionError,
+    connect,
+    translate_errors,
+    without_retries,
+)
 from staleflow.buffer.records import Group
 from staleflow.configs.loader import redact
 
@@ -48,6 +53,8 @@ __all__ = [
 
 Sampling = Literal["fifo", "freshest", "replay"]
 GROUP_NAME = "learner"
+Fields = dict[str, bytes | memoryview]
+_RESERVE_TTL_S = 30  # a producer that dies between reserving and adding blocks its ids this long
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -120,7 +127,7 @@ class ReplayBuffer:
         push_timeout_s: float = 300.0,
         claim_idle_s: float = 60.0,
         consumer: str | None = None,
-        dedup_ttl_s: int = 7 * 24 * 3600,
+        dedup_ttl_s: int = 24 * 3600,
     ) -> None:
         if not _RUN_NAME.match(run):
             raise ValueError(
@@ -140,6 +147,9 @@ class ReplayBuffer:
             self.client = url
             kw = url.connection_pool.connection_kwargs
             self.url_for_display = f"redis://{kw.get('host', '?')}:{kw.get('port', '?')}"
+        # Transactions must never be resent blindly (a resent EXEC could add twice), so they
+        # go through a client whose connections do not retry; push_many recovers instead.
+        self._tx_client = without_retries(self.client)
         self.run = run
         self.capacity = capacity
         self.sampling: Sampling = sampling
@@ -161,14 +171,14 @@ class ReplayBuffer:
         self.pushed_by_version_key = prefix + "versions:pushed"
         self.trained_by_version_key = prefix + "versions:trained"
 
-        self._push = self.client.register_script(scripts.PUSH)
+        self._reserve = self.client.register_script(scripts.RESERVE)
         self._ack = self.client.register_script(scripts.ACK)
         self._drop = self.client.register_script(scripts.DROP)
         self._replay_take = self.client.register_script(scripts.REPLAY_TAKE)
         self._replay_reclaim = self.client.register_script(scripts.REPLAY_RECLAIM)
         # Entries delivered to this consumer but not yet handed out: entry id -> (version,
         # payload). They stay pending in Redis, so they are reclaimed if this process dies.
-        self._pool: dict[str, tuple[int, bytes]] = {}
+        self._pool: dict[str, tuple[int, dict[bytes, bytes]]] = {}
         self._last_claim = 0.0
         self._group_ready = False
 
@@ -189,37 +199,81 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------------- producer
 
-    @translate_errors
-    def push(self, group: Group) -> str:
-        """Append one group; returns its stream entry id. Idempotent by `group.group_id`.
+    def push(self, group: Group) -> bool:
+        """Append one group; True if added, False if this group id was already pushed.
 
-        Blocks while the buffer holds `capacity` groups, then raises BufferFullError.
+        Blocks while the buffer is full, then raises BufferFullError. See `push_many`.
         """
-        payload = encode(group)
+        return self.push_many([group])[0]
+
+    @translate_errors
+    def push_many(self, groups: Sequence[Group]) -> list[bool]:
+        """Append groups in two round trips; per group, True if added, False if a duplicate.
+
+        Idempotent by group id: retrying a push, even after a lost reply, adds nothing twice.
+        Blocks while the groups do not fit under `capacity`, then raises BufferFullError.
+        Capacity is checked at reservation, so concurrent producers can overshoot it by the
+        batches they have in flight; it is never enforced by trimming.
+        """
+        if not groups:
+            return []
+        if len(groups) > self.capacity:
+            raise ValueError(
+                f"cannot push {len(groups)} groups into a buffer of capacity {self.capacity}"
+            )
+        entries = [encode_fields(g) for g in groups]
+        dedup_keys = [self.prefix + "gid:" + g.group_id for g in groups]
+        token = "r:" + uuid.uuid4().hex
         deadline = time.monotonic() + self.push_timeout_s
         delay = 0.005
         while True:
-            status, entry_id = self._push(
-                keys=[
-                    self.stream_key,
-                    self.prefix + "gid:" + group.group_id,
-                    self.stats_key,
-                    self.pushed_by_version_key,
-                ],
-                args=[payload, group.policy_version, group.group_id, self.capacity,
-                      self.dedup_ttl_s],
-            )  # fmt: skip
-            if status != 2:
-                return _text(entry_id)
+            status = [int(x) for x in self._reserve(
+                keys=[self.stream_key, self.stats_key, *dedup_keys],
+                args=[self.capacity, _RESERVE_TTL_S, token],
+            )]  # fmt: skip
+            if status[0] >= 0:
+                new = [i for i, st in enumerate(status) if st == 0]
+                if not new or self._add_reserved(groups, entries, dedup_keys, new):
+                    return [st == 0 for st in status]
+                continue  # the transaction's reply was lost: the markers tell what happened
             if time.monotonic() >= deadline:
+                if status[0] == -1:
+                    raise BufferFullError(
+                        f"another push of the same group id has been in flight for "
+                        f"{self.push_timeout_s:g} s; nothing was pushed"
+                    )
                 raise BufferFullError(
                     f"replay buffer of run {self.run!r} has been full ({self.capacity} groups) "
                     f"for {self.push_timeout_s:g} s: the learner is not consuming (stopped or "
                     "too slow). Raise buffer.capacity or buffer.push_timeout_s, or add learner "
-                    "throughput; the group was not pushed"
+                    "throughput; nothing was pushed"
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    def _add_reserved(
+        self, groups: Sequence[Group], entries: list[Fields], keys: list[str], new: list[int]
+    ) -> bool:
+        """XADD the reserved groups and mark them added, atomically. False if the connection
+        dropped before the reply: the caller re-reserves, and the markers say whether the
+        transaction ran ("added": duplicate from now on) or not (our token: add again)."""
+        pipe = self._tx_client.pipeline(transaction=True)
+        versions: dict[int, int] = {}
+        for i in new:
+            g = groups[i]
+            entry: dict[Any, Any] = {**entries[i], "v": g.policy_version, "gid": g.group_id}
+            pipe.xadd(self.stream_key, entry)
+            pipe.set(keys[i], "added", ex=self.dedup_ttl_s)
+            versions[g.policy_version] = versions.get(g.policy_version, 0) + 1
+        pipe.hincrby(self.stats_key, "pushed", len(new))
+        pipe.hincrby(self.stats_key, "bytes_pushed", sum(_nbytes(entries[i]) for i in new))
+        for version, count in versions.items():
+            pipe.hincrby(self.pushed_by_version_key, str(version), count)
+        try:
+            pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        return True
 
     # ------------------------------------------------------------------------- learner
 
@@ -232,14 +286,14 @@ class ReplayBuffer:
         self._ensure_group()
         deadline = time.monotonic() + timeout_s
         stale = invalid = 0
-        taken: list[tuple[str, int, bytes, bool]] = []
+        taken: list[tuple[str, int, dict[bytes, bytes], bool]] = []
         while True:
             self._reclaim_if_due()
             read = self._refill(n - len(taken), deadline)
             stale += self._drop_stale_pooled(learner_version)
             for entry_id in self._select(n - len(taken)):
-                version, payload = self._pool.pop(entry_id)
-                taken.append((entry_id, version, payload, False))
+                version, fields = self._pool.pop(entry_id)
+                taken.append((entry_id, version, fields, False))
             if len(taken) < n and self.sampling == "replay":
                 replays, dropped = self._take_replays(n - len(taken), learner_version)
                 taken.extend(replays)
@@ -250,9 +304,9 @@ class ReplayBuffer:
                 break
         groups, receipts = [], []
         bad: list[tuple[str, bool, str]] = []
-        for entry_id, version, payload, replay in taken:
+        for entry_id, version, fields, replay in taken:
             try:
-                group = decode(payload)
+                group = decode_fields(fields)
                 if group.policy_version != version:
                     raise RecordError(
                         "policy_version", f"{group.policy_version} but the entry says {version}"
@@ -338,6 +392,7 @@ class ReplayBuffer:
         return int(self.client.delete(*keys)) if keys else 0
 
     def close(self) -> None:
+        self._tx_client.close()
         self.client.close()
 
     def __enter__(self) -> ReplayBuffer:
@@ -435,18 +490,29 @@ class ReplayBuffer:
 
     def _take_replays(
         self, k: int, learner_version: int
-    ) -> tuple[list[tuple[str, int, bytes, bool]], int]:
-        rows = self._replay_take(
-            keys=[self.stream_key, self.replay_key, self.replay_pending_key], args=[k, _now_ms()]
-        )
+    ) -> tuple[list[tuple[str, int, dict[bytes, bytes], bool]], int]:
+        ids = [
+            _text(i)
+            for i in self._replay_take(
+                keys=[self.replay_key, self.replay_pending_key], args=[k, _now_ms()]
+            )
+        ]
+        if not ids:
+            return [], 0
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.stream_key, entry_id, entry_id)
         floor = self._min_version(learner_version)
         out, stale = [], []
-        for entry_id, version, payload in rows:
-            eid, v = _text(entry_id), int(version)
-            if floor is not None and v < floor:
-                stale.append((eid, True, ""))
+        for entry_id, rows in zip(ids, pipe.execute(), strict=True):
+            if not rows:  # deleted meanwhile; forget it
+                self.client.hdel(self.replay_pending_key, entry_id)
+                continue
+            version, fields = _parse_fields(rows[0][1])
+            if floor is not None and 0 <= version < floor:
+                stale.append((entry_id, True, ""))
             else:
-                out.append((eid, v, bytes(payload), True))
+                out.append((entry_id, version, fields, True))
         return out, self._drop_entries(stale, "stale")
 
     def _drop_entries(self, entries: Sequence[tuple[str, bool, str]], reason: str) -> int:
@@ -466,15 +532,18 @@ class ReplayBuffer:
         return int(self._drop(keys=keys, args=args))
 
 
-def _parse_fields(fields: dict[Any, Any]) -> tuple[int, bytes]:
-    """(policy version, payload) of a stream entry; a malformed entry gets version -1 and is
-    then rejected by the decoder (and moved to the invalid stream)."""
-    payload = fields.get(b"g", b"")
+def _parse_fields(fields: dict[bytes, bytes]) -> tuple[int, dict[bytes, bytes]]:
+    """(policy version, fields) of a stream entry; a malformed version becomes -1, and the
+    decoder then rejects the entry (it is moved to the invalid stream, not counted stale)."""
     try:
         version = int(fields.get(b"v", b"-1"))
     except ValueError:
         version = -1
-    return version, bytes(payload)
+    return version, fields
+
+
+def _nbytes(fields: Fields) -> int:
+    return sum(len(v) if isinstance(v, bytes) else v.nbytes for v in fields.values())
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -12,7 +12,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from staleflow.buffer.codec import LIMITS, RecordError, decode, encode
+from staleflow.buffer.codec import (
+    LIMITS,
+    RecordError,
+    decode,
+    decode_fields,
+    encode,
+    encode_fields,
+)
 from staleflow.buffer.records import LOGP_DTYPE, SCHEMA_VERSION, TOKEN_DTYPE, Group, Response
 
 
@@ -43,30 +50,43 @@ def test_round_trip_keeps_every_field():
     back = decode(encode(group))
     assert back == group
     assert back.prompt_token_ids.dtype == TOKEN_DTYPE
-    assert back.responses[1].behavior_logp.dtype == LOGP_DTYPE
+    assert back.behavior_logp.dtype == LOGP_DTYPE
     assert back.responses[2].metadata == {"answer": "2", "parsed": True, "score": 0.5, "n": None}
     assert back.schema_version == SCHEMA_VERSION
     assert back.rewards.tolist() == [0.0, 1.0, 0.0]
     assert back.num_tokens == 5 + 6 + 7
+    assert [len(r.token_ids) for r in back.responses] == [5, 6, 7]
+    assert back.responses == group.responses
 
 
-def test_round_trip_of_empty_response_and_large_group():
+def test_round_trip_through_stream_fields():
+    group = make_group(k=8, length=1024)
+    fields = encode_fields(group)
+    assert set(fields) == {"h", "prompt", "tok", "logp"}
+    # arrays are zero-copy views of the group's memory on the way out ...
+    assert isinstance(fields["tok"], memoryview)
+    assert np.shares_memory(np.frombuffer(fields["tok"], TOKEN_DTYPE), group.token_ids)
+    # ... and Redis hands back bytes keys and values
+    back = decode_fields({k.encode(): bytes(v) for k, v in fields.items()})
+    assert back == group
+
+
+def test_round_trip_of_an_empty_response():
     empty = Group.new(
         run_id="r", prompt_id="p", task="t", prompt_token_ids=[], policy_version=0,
         responses=[Response([], [], 0.0, "length")], worker_id="w",
     )  # fmt: skip
     assert decode(encode(empty)) == empty
-    big = make_group(k=8, length=1024)
-    assert decode(encode(big)) == big
 
 
 def test_arrays_are_raw_little_endian_bytes_not_pickle():
-    group = make_group(k=1)
-    raw = msgpack.unpackb(encode(group), raw=False)
-    dtype, shape, data = raw["resp"][0]["tok"]
-    assert (dtype, shape) == ("<i4", [5])
-    assert data == group.responses[0].token_ids.astype("<i4").tobytes()
-    assert b"\x80\x04" not in encode(group)[:2]  # not a pickle stream
+    group = make_group(k=2)
+    fields = msgpack.unpackb(encode(group), raw=False)
+    header = msgpack.unpackb(fields["h"], raw=False)
+    assert header["arrays"]["tok"] == ["<i4", [11]]
+    assert header["lens"] == [5, 6]
+    assert fields["tok"] == group.token_ids.astype("<i4").tobytes()
+    assert fields["logp"] == group.behavior_logp.astype("<f4").tobytes()
 
 
 def test_pickle_bytes_are_refused():
@@ -75,81 +95,88 @@ def test_pickle_bytes_are_refused():
         decode(pickle.dumps({"schema": 1}))
 
 
+def test_group_new_rejects_mismatched_response_arrays():
+    with pytest.raises(ValueError, match="equal length"):
+        Group.new(
+            run_id="r", prompt_id="p", task="t", prompt_token_ids=[1], policy_version=0,
+            responses=[Response([1, 2], [-0.1], 1.0)], worker_id="w",
+        )  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- errors
 
 
-def _tamper(group: Group, **changes: object) -> bytes:
-    raw = msgpack.unpackb(encode(group), raw=False)
-    for path, value in changes.items():
-        node = raw
-        *parents, last = path.split("__")
-        for part in parents:
-            node = node[int(part)] if part.isdigit() else node[part]
-        node[last] = value
-    return msgpack.packb(raw, use_bin_type=True)
+def _tamper(group: Group, header: dict | None = None, **arrays: object) -> bytes:
+    fields = msgpack.unpackb(encode(group), raw=False)
+    h = msgpack.unpackb(fields["h"], raw=False)
+    h.update(header or {})
+    fields["h"] = msgpack.packb(h, use_bin_type=True)
+    fields.update(arrays)
+    return msgpack.packb(fields, use_bin_type=True)
 
 
-TOK0, LOGP0 = "responses[0].token_ids", "responses[0].behavior_logp"
-NAN5 = np.full(5, np.nan, "<f4").tobytes()
+NAN = np.array([np.nan], "<f4").tobytes()
 
 
 @pytest.mark.parametrize(
-    ("changes", "field", "problem"),
+    ("header", "arrays", "field", "problem"),
     [
-        ({"schema": 99}, "schema_version", "not a known schema version"),
-        ({"ver": -1}, "policy_version", "outside"),
-        ({"ver": "3"}, "policy_version", "expected an integer"),
-        ({"gid": 5}, "group_id", "expected a string"),
-        ({"run": "x" * 2000}, "run_id", "limit"),
-        ({"resp": []}, "responses", "non-empty"),
-        ({"resp__0__r": float("nan")}, "responses[0].reward", "finite"),
-        ({"resp__0__r": True}, "responses[0].reward", "expected a number"),
-        ({"resp__1__fin": "eos"}, "responses[1].finish_reason", "not one of"),
-        ({"resp__0__tok": ["<i8", [5], b"\0" * 40]}, TOK0, "not allowed"),
-        ({"resp__0__tok": ["<i4", [6], b"\0" * 20]}, TOK0, "data bytes"),
-        ({"resp__0__tok": ["<i4", [5, 1], b"\0" * 20]}, TOK0, "shape"),
-        ({"resp__0__tok": ["<i4", [1], b"\xff\xff\xff\xff"]}, TOK0, "negative"),
-        ({"resp__0__logp": ["<f4", [4], b"\0" * 16]}, LOGP0, "4 log-probs for 5"),
-        ({"resp__0__logp": ["<f4", [5], NAN5]}, LOGP0, "finite"),
-        ({"resp__0__meta": {"x": [1, 2]}}, "responses[0].metadata.x", "scalar"),
-        ({"resp__0__meta": "nope"}, "responses[0].metadata", "expected a map"),
-        ({"resp__0__extra": 1}, "responses[0]", "unexpected keys"),
-        ({"prompt": ["<i4", [2 << 20], b""]}, "prompt_token_ids", "outside"),
-        ({"t": "yesterday"}, "created_at", "finite float"),
+        ({"schema": 99}, {}, "schema_version", "not a known schema version"),
+        ({"ver": -1}, {}, "policy_version", "outside"),
+        ({"ver": "3"}, {}, "policy_version", "expected an integer"),
+        ({"gid": 5}, {}, "group_id", "expected a string"),
+        ({"run": "x" * 2000}, {}, "run_id", "limit"),
+        ({"lens": []}, {}, "responses", "at least one response"),
+        ({"lens": [5, 6, -1]}, {}, "lengths", "must be in"),
+        ({"lens": [5, 6, "7"]}, {}, "lengths", "list of integers"),
+        ({"lens": [5, 6, 8]}, {}, "token_ids", "lengths sum to 19"),
+        ({"r": [0.0, float("nan"), 1.0]}, {}, "rewards", "finite"),
+        ({"r": [0.0, True, 1.0]}, {}, "rewards", "expected numbers"),
+        ({"r": [0.0]}, {}, "rewards", "expected 3 numbers"),
+        ({"fin": ["stop", "eos", "stop"]}, {}, "finish_reasons", "'eos' is not one of"),
+        ({"meta": [{}, {"x": [1, 2]}, {}]}, {}, "metadata[1].x", "scalar"),
+        ({"meta": [{}, "nope", {}]}, {}, "metadata[1]", "expected a map"),
+        ({"extra": 1}, {}, "header", "unexpected keys"),
+        ({"arrays": {"tok": ["<i4", [18]]}}, {}, "header.arrays", "expected specs"),
+        ({"arrays": {"prompt": ["<i4", [7]], "tok": ["<i8", [18]], "logp": ["<f4", [18]]}},
+         {}, "token_ids", "not allowed"),
+        ({"arrays": {"prompt": ["<i4", [7]], "tok": ["<i4", [18, 1]], "logp": ["<f4", [18]]}},
+         {}, "token_ids", "shape"),
+        ({}, {"tok": b"\0" * 20}, "token_ids", "data bytes"),
+        ({}, {"logp": NAN * 18}, "behavior_logp", "finite"),
+        ({}, {"prompt": b"\xff" * 28}, "prompt_token_ids", "negative"),
+        ({"t": "yesterday"}, {}, "created_at", "finite float"),
     ],
 )  # fmt: skip
-def test_decode_names_the_bad_field(changes, field, problem):
+def test_decode_names_the_bad_field(header, arrays, field, problem):
     with pytest.raises(RecordError) as err:
-        decode(_tamper(make_group(), **changes))
+        decode(_tamper(make_group(), header, **arrays))
     assert err.value.field == field
     assert problem in err.value.problem
 
 
-def test_missing_key_is_named():
-    raw = msgpack.unpackb(encode(make_group()), raw=False)
-    del raw["worker"]
+def test_missing_fields_are_named():
+    fields = msgpack.unpackb(encode(make_group()), raw=False)
+    del fields["logp"]
+    with pytest.raises(RecordError, match=r"missing fields \['logp'\]"):
+        decode(msgpack.packb(fields, use_bin_type=True))
+    header = msgpack.unpackb(encode(make_group()), raw=False)["h"]
+    h = msgpack.unpackb(header, raw=False)
+    del h["worker"]
     with pytest.raises(RecordError, match=r"missing keys \['worker'\]"):
-        decode(msgpack.packb(raw, use_bin_type=True))
+        decode(_tamper(make_group(), None, h=msgpack.packb(h)))
 
 
 def test_encode_refuses_wrong_dtypes_and_mismatched_lengths():
     group = make_group(k=1)
-    bad_dtype = dataclasses.replace(
-        group,
-        responses=(dataclasses.replace(group.responses[0], token_ids=np.arange(5)),),
-    )
-    with pytest.raises(RecordError, match=r"responses\[0\].token_ids: dtype int64"):
-        encode(bad_dtype)
-    short = dataclasses.replace(
-        group,
-        responses=(
-            dataclasses.replace(group.responses[0], behavior_logp=np.zeros(2, dtype=LOGP_DTYPE)),
-        ),
-    )
+    with pytest.raises(RecordError, match="token_ids: dtype int64"):
+        encode(dataclasses.replace(group, token_ids=np.arange(5)))
     with pytest.raises(RecordError, match="2 log-probs for 5 tokens"):
-        encode(short)
+        encode(dataclasses.replace(group, behavior_logp=np.zeros(2, dtype=LOGP_DTYPE)))
     with pytest.raises(RecordError, match="at least one response"):
-        encode(dataclasses.replace(group, responses=()))
+        encode(dataclasses.replace(group, lengths=np.zeros(0, dtype="<i4")))
+    with pytest.raises(RecordError, match="finite"):
+        encode(dataclasses.replace(group, behavior_logp=np.full(5, np.inf, dtype=LOGP_DTYPE)))
 
 
 def test_oversized_record_is_refused_before_parsing(monkeypatch):
@@ -213,12 +240,22 @@ def test_fuzz_well_formed_msgpack_of_the_wrong_shape(value):
     _decode_or_record_error(msgpack.packb(value, use_bin_type=True))
 
 
+VALID_FIELDS = msgpack.unpackb(VALID, raw=False)
+VALID_HEADER = msgpack.unpackb(VALID_FIELDS["h"], raw=False)
+
+
 @FUZZ
-@given(st.dictionaries(st.sampled_from(sorted(msgpack.unpackb(VALID, raw=False))), msgpack_values))
-def test_fuzz_records_with_wrong_field_values(fields):
-    raw = msgpack.unpackb(VALID, raw=False)
-    raw.update(fields)
-    _decode_or_record_error(msgpack.packb(raw, use_bin_type=True))
+@given(st.dictionaries(st.sampled_from(sorted(VALID_HEADER)), msgpack_values))
+def test_fuzz_headers_with_wrong_values(changes):
+    header = {**VALID_HEADER, **changes}
+    fields = {**VALID_FIELDS, "h": msgpack.packb(header, use_bin_type=True)}
+    _decode_or_record_error(msgpack.packb(fields, use_bin_type=True))
+
+
+@FUZZ
+@given(st.dictionaries(st.sampled_from(sorted(VALID_FIELDS)), msgpack_values))
+def test_fuzz_fields_with_wrong_values(changes):
+    _decode_or_record_error(msgpack.packb({**VALID_FIELDS, **changes}, use_bin_type=True))
 
 
 def test_hostile_length_headers_do_not_allocate():

@@ -1,0 +1,193 @@
+"""Replay-buffer throughput: staleflow vs raw redis-py on the same server and the same bytes.
+
+    python bench/buffer.py [--redis-url URL] [--groups 300] [--rounds 5] [--batch 8]
+
+Realistic groups: K = 8 responses x 1024 tokens (int32 ids + float32 log-probs, ~66 KB). Each
+round measures, on one Redis server:
+  push:     ReplayBuffer.push(group) (encode + Lua script: dedup, capacity, XADD, counters)
+            vs raw XADD of the already-encoded bytes;
+  take+ack: ReplayBuffer.take(batch) + ack (reclaim, XREADGROUP, decode, Lua ack + XDEL)
+            vs raw XREADGROUP + XACK of the same entries.
+Rounds alternate which side goes first; medians over rounds are reported, ratios last
+(targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+import redis
+
+from staleflow.buffer.codec import decode_fields, encode_fields
+from staleflow.buffer.connection import connect
+from staleflow.buffer.records import Group, Response
+from staleflow.buffer.replay import ReplayBuffer
+from staleflow.buffer.server import RedisServer
+
+
+def make_groups(n: int, k: int = 8, tokens: int = 1024, seed: int = 0) -> list[Group]:
+    rng = np.random.default_rng(seed)
+    return [
+        Group.new(
+            run_id="bench",
+            prompt_id=f"p{i}",
+            task="arithmetic",
+            prompt_token_ids=rng.integers(0, 50_000, 128),
+            responses=[
+                Response(rng.integers(0, 50_000, tokens), -rng.random(tokens), float(j % 2))
+                for j in range(k)
+            ],
+            policy_version=i % 4,
+            worker_id="bench",
+        )
+        for i in range(n)
+    ]
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    count = fn()
+    return time.perf_counter() - start, count
+
+
+def raw_entries(groups: list[Group]) -> list[dict]:
+    """Exactly the fields staleflow writes, as plain bytes, for the raw side."""
+    return [
+        {**{k: bytes(v) for k, v in encode_fields(g).items()}, "v": g.policy_version,
+         "gid": g.group_id}
+        for g in groups
+    ]  # fmt: skip
+
+
+def raw_push(client: redis.Redis, key: str, entries: list[dict], batch: int) -> int:
+    for i in range(0, len(entries), batch):
+        if batch == 1:
+            client.xadd(key, entries[i])
+            continue
+        pipe = client.pipeline(transaction=False)
+        for entry in entries[i : i + batch]:
+            pipe.xadd(key, entry)
+        pipe.execute()
+    return len(entries)
+
+
+def raw_take_ack(client: redis.Redis, key: str, batch: int) -> int:
+    client.xgroup_create(key, "learner", id="0", mkstream=True)
+    done = 0
+    while True:
+        reply = client.xreadgroup("learner", "raw", {key: ">"}, count=batch)
+        if not reply:
+            return done
+        ids = [entry_id for entry_id, _ in reply[0][1]]
+        client.xack(key, "learner", *ids)
+        done += len(ids)
+
+
+def buffer_push(buffer: ReplayBuffer, groups: list[Group], batch: int) -> int:
+    for i in range(0, len(groups), batch):
+        if batch == 1:
+            buffer.push(groups[i])
+        else:
+            buffer.push_many(groups[i : i + batch])
+    return len(groups)
+
+
+def buffer_take_ack(buffer: ReplayBuffer, batch: int) -> int:
+    done = 0
+    while True:
+        taken = buffer.take(batch, learner_version=10)
+        if not taken.groups:
+            return done
+        buffer.ack(taken.receipts)
+        done += len(taken.groups)
+
+
+def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
+    groups = make_groups(n_groups)
+    entries = raw_entries(groups)
+    mb_per_group = sum(len(v) for e in entries for v in e.values() if isinstance(v, bytes)) / 1e6
+    mb_per_group /= n_groups
+    print(
+        f"{n_groups} groups of 8 x 1024 tokens ({mb_per_group * 1e3:.1f} KB each), "
+        f"{rounds} rounds, batches of {batch}"
+    )
+
+    codec = []
+    for g in groups[:100]:
+        start = time.perf_counter()
+        decode_fields({k.encode(): bytes(v) for k, v in encode_fields(g).items()})
+        codec.append(time.perf_counter() - start)
+    codec_ms = statistics.median(codec) * 1e3
+
+    client = connect(url)
+    rates: dict[str, list[float]] = {}
+
+    def measure(name: str, fn: Callable[[], int]) -> None:
+        seconds, count = timed(fn)
+        assert count == n_groups, f"{name}: {count} of {n_groups}"
+        rates.setdefault(name, []).append(count / seconds)
+
+    def raw_side(r: int) -> None:
+        measure("raw_push_1", lambda: raw_push(client, f"raw1:{r}", entries, 1))
+        measure("raw_push_b", lambda: raw_push(client, f"rawb:{r}", entries, batch))
+        measure("raw_take", lambda: raw_take_ack(client, f"rawb:{r}", batch))
+
+    def staleflow_side(r: int) -> None:
+        with (
+            ReplayBuffer(url, f"one-{r}", capacity=n_groups + 1) as one,
+            ReplayBuffer(url, f"many-{r}", capacity=n_groups + 1) as many,
+        ):
+            measure("sf_push_1", lambda: buffer_push(one, groups, 1))
+            measure("sf_push_b", lambda: buffer_push(many, groups, batch))
+            measure("sf_take", lambda: buffer_take_ack(many, batch))
+
+    for r in range(rounds):  # alternate which side runs first
+        client.flushall()
+        first, second = (raw_side, staleflow_side) if r % 2 == 0 else (staleflow_side, raw_side)
+        first(r)
+        second(r)
+    client.flushall()
+
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"{'':34}{'groups/s':>10}{'MB/s':>10}")
+    for label, key in [
+        ("raw XADD, one per call", "raw_push_1"),
+        ("staleflow push, one per call", "sf_push_1"),
+        (f"raw XADD, pipelined by {batch}", "raw_push_b"),
+        (f"staleflow push_many({batch})", "sf_push_b"),
+        (f"raw XREADGROUP+XACK by {batch}", "raw_take"),
+        (f"staleflow take({batch})+ack", "sf_take"),
+    ]:
+        print(f"{label:34}{med[key]:10.0f}{med[key] * mb_per_group:10.1f}")
+    print(f"encode+decode one group: {codec_ms:.3f} ms (median of 100; target < 1 ms)")
+    for label, ours, raw in [
+        ("push, one per call ", "sf_push_1", "raw_push_1"),
+        (f"push, batches of {batch}", "sf_push_b", "raw_push_b"),
+        ("take+ack          ", "sf_take", "raw_take"),
+    ]:
+        print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--redis-url", help="benchmark against this server (default: embedded)")
+    parser.add_argument("--groups", type=int, default=300, help="groups per round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds (medians are reported)")
+    parser.add_argument("--batch", type=int, default=8, help="groups per take")
+    args = parser.parse_args()
+    if args.redis_url:
+        run(args.redis_url, args.groups, args.rounds, args.batch)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp) as server:
+        run(server.url, args.groups, args.rounds, args.batch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
