@@ -170,6 +170,14 @@ class ReplayBuffer:
         self.invalid_key = prefix + "invalid"
         self.pushed_by_version_key = prefix + "versions:pushed"
         self.trained_by_version_key = prefix + "versions:trained"
+        # The first KEYS of the ack and drop scripts (scripts._RELEASE relies on the order).
+        self._entry_keys = [
+            self.stream_key,
+            self.stats_key,
+            self.uses_key,
+            self.replay_key,
+            self.replay_pending_key,
+        ]
 
         self._reserve = self.client.register_script(scripts.RESERVE)
         self._ack = self.client.register_script(scripts.ACK)
@@ -331,15 +339,7 @@ class ReplayBuffer:
             args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
         if len(args) == 2:
             return 0
-        keys = [
-            self.stream_key,
-            self.stats_key,
-            self.uses_key,
-            self.replay_key,
-            self.replay_pending_key,
-            self.trained_by_version_key,
-        ]
-        return int(self._ack(keys=keys, args=args))
+        return int(self._ack(keys=[*self._entry_keys, self.trained_by_version_key], args=args))
 
     @translate_errors
     def stats(self) -> BufferStats:
@@ -521,15 +521,7 @@ class ReplayBuffer:
         args: list[Any] = [GROUP_NAME, reason]
         for entry_id, replay, error in entries:
             args += [entry_id, "1" if replay else "0", error]
-        keys = [
-            self.stream_key,
-            self.stats_key,
-            self.uses_key,
-            self.replay_key,
-            self.replay_pending_key,
-            self.invalid_key,
-        ]
-        return int(self._drop(keys=keys, args=args))
+        return int(self._drop(keys=[*self._entry_keys, self.invalid_key], args=args))
 
 
 def _parse_fields(fields: dict[bytes, bytes]) -> tuple[int, dict[bytes, bytes]]:

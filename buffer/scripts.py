@@ -37,17 +37,27 @@ if n > new then redis.call('HINCRBY', KEYS[2], 'duplicates', n - new) end
 return status
 """
 
+# Shared by ACK and DROP, whose first five KEYS are stream, stats, uses, replay zset and
+# replay-pending hash, and ARGV[1] the consumer group: take an entry out of its pending state
+# (consumer-group PEL, or replay-pending for a replay). Returns 1 only if it was pending, so
+# acking or dropping twice changes nothing.
+_RELEASE = """
+local function release(id, is_replay)
+  if is_replay == '1' then return redis.call('HDEL', KEYS[5], id) end
+  return redis.call('XACK', KEYS[1], ARGV[1], id)
+end
+"""
+
 # KEYS: stream, stats, uses, replay zset, replay-pending hash, trained-by-version.
 # ARGV: group name, max_reuse, then (entry id, version, is_replay) triples.
 # Only an ack of something actually pending counts, so acking twice is harmless.
-ACK = """
+ACK = (
+    _RELEASE
+    + """
 local acked = 0
 for i = 3, #ARGV, 3 do
   local id, v, rep = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local was
-  if rep == '1' then was = redis.call('HDEL', KEYS[5], id)
-  else was = redis.call('XACK', KEYS[1], ARGV[1], id) end
-  if was == 1 then
+  if release(id, rep) == 1 then
     acked = acked + 1
     redis.call('HINCRBY', KEYS[6], v, 1)
     local uses = 1
@@ -64,18 +74,18 @@ end
 redis.call('HINCRBY', KEYS[2], 'acked', acked)
 return acked
 """
+)
 
 # KEYS: stream, stats, uses, replay zset, replay-pending hash, invalid stream.
 # ARGV: group name, reason ('stale' | 'invalid'), then (entry id, is_replay, error) triples.
 # Invalid entries are copied to the invalid stream first: dropped, never lost.
-DROP = """
+DROP = (
+    _RELEASE
+    + """
 local n = 0
 for i = 3, #ARGV, 3 do
   local id, rep, err = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local was
-  if rep == '1' then was = redis.call('HDEL', KEYS[5], id)
-  else was = redis.call('XACK', KEYS[1], ARGV[1], id) end
-  if was == 1 then
+  if release(id, rep) == 1 then
     if ARGV[2] == 'invalid' then
       local entry = redis.call('XRANGE', KEYS[1], id, id)
       if entry[1] then
@@ -91,6 +101,7 @@ end
 redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[2], n)
 return n
 """
+)
 
 # KEYS: replay zset, replay-pending hash.  ARGV: count, now (ms).
 # Moves the least-used replayable entries to replay-pending and returns their ids (the client
