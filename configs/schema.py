@@ -70,7 +70,9 @@ class TaskConfig(Frozen):
     format_reward: float = Field(
         0.0, ge=0.0, le=1.0, description="Extra reward for a well-formed final answer."
     )
-    path: str | None = Field(None, description="gsm8k: local JSONL file of training problems.")
+    path: str | None = Field(
+        None, description="gsm8k / custom: local JSONL file of problems (custom: prompts)."
+    )
     eval_path: str | None = Field(None, description="gsm8k: local JSONL file of held-out problems.")
     reward_fn: str | None = Field(
         None, description="custom: reward function as 'package.module:function'."
@@ -105,6 +107,8 @@ class TaskConfig(Frozen):
                 "task 'custom' needs task.reward_fn as 'package.module:function' "
                 f"(got {self.reward_fn!r})"
             )
+        if self.name == "custom" and self.path is None:
+            raise ValueError("task 'custom' needs task.path, a local JSONL file of prompts")
         return self
 
 

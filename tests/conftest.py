@@ -36,3 +36,22 @@ def fresh_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A server of this test's own with AOF on (for crash and restart tests)."""
     with RedisServer(tmp_path / "redis", persistence=True) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """A real local Ray on loopback for the whole session (started on first use)."""
+    import os
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    yield
+    ray.shutdown()

@@ -1,0 +1,102 @@
+"""The rollout engine interface (design.md section 3) and the types it speaks.
+
+    engine.generate(prompts, n, sampling) -> completions with token ids and behaviour log-probs
+    engine.load_weights(named arrays, version)
+    engine.version
+
+Implementations: `HFEngine` (transformers `generate`, CPU or GPU) and `VLLMEngine` (vLLM).
+
+Behaviour log-probs. For every generated token an engine records log mu(token), where mu is the
+distribution the token was actually drawn from: softmax(logits / temperature), restricted to
+the top-k / top-p set and renormalised when those are enabled. The learner's target policy is
+the untruncated softmax(logits / temperature) at the same temperature, so with the defaults
+(top_p = 1, top_k = 0) the ratio rho = pi / mu is exactly 1 on fresh data; with truncation,
+rho <= 1 on fresh data and the truncation shows up as off-policyness, which the losses' clipping
+handles like any other. Greedy decoding (temperature 0) records log softmax(logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightsUpdate", "as_named_arrays"]
+
+WeightsUpdate = Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
+"""Named arrays: parameter name -> numpy array (bfloat16 may arrive as an int16 view)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. temperature 0 means greedy; top_k 0 and top_p 1 disable truncation."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @classmethod
+    def from_config(cls, rollout: Any, seed: int | None = None) -> SamplingParams:
+        """From a `RolloutConfig` (staleflow.configs.schema)."""
+        return cls(
+            temperature=rollout.temperature,
+            top_p=rollout.top_p,
+            top_k=rollout.top_k,
+            max_new_tokens=rollout.max_new_tokens,
+            stop=tuple(rollout.stop),
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Completion:
+    """One generated response.
+
+    token_ids:     int32 [L], generated tokens, the final eos included when there was one.
+    logprobs:      float32 [L], behaviour log-prob of each token (see the module docstring).
+    finish_reason: "stop" (eos or a stop string) or "length" (max_new_tokens reached).
+    text:          the decoded tokens (special tokens skipped).
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    finish_reason: str
+    text: str
+
+
+class RolloutEngine(Protocol):
+    """What a rollout worker needs from an inference engine."""
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights currently loaded."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        """`n` completions for each prompt (token ids), in prompt order."""
+        ...
+
+    def load_weights(self, weights: WeightsUpdate, version: int) -> None:
+        """Copy named arrays into the model in place and set the policy version."""
+        ...
+
+
+def as_named_arrays(weights: WeightsUpdate) -> Iterable[tuple[str, np.ndarray]]:
+    return weights.items() if isinstance(weights, Mapping) else weights

