@@ -105,6 +105,22 @@ def _in_eval_split(key: str, every: int = 10) -> bool:
     return zlib.crc32(key.encode()) % every == 0
 
 
+def _split_by_hash(prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held out): ~10% held out by a hash of the prompt text."""
+    held_out = [_in_eval_split(p.text) for p in prompts]
+    train = [p for p, h in zip(prompts, held_out, strict=True) if not h]
+    return train, [p for p, h in zip(prompts, held_out, strict=True) if h]
+
+
+def _shuffled_epochs(prompts: list[Prompt], seed: int) -> Iterator[Prompt]:
+    """An endless stream: every prompt once per epoch, each epoch in a new seeded order."""
+    rng = random.Random(seed)
+    while True:
+        order = list(prompts)
+        rng.shuffle(order)
+        yield from order
+
+
 def _repeat_to(items: list[Prompt], n: int, what: str) -> list[Prompt]:
     if not items:
         raise TaskError(f"{what} has no held-out prompts")
@@ -204,17 +220,12 @@ class GSM8KTask:
             self.train = rows
             self.eval = _read_gsm8k(Path(eval_path))
         else:  # hold out ~10% by a hash of the question
-            self.train = [p for p in rows if not _in_eval_split(p.text)]
-            self.eval = [p for p in rows if _in_eval_split(p.text)]
+            self.train, self.eval = _split_by_hash(rows)
         if not self.train:
             raise TaskError(f"{path}: no training problems")
 
     def train_prompts(self) -> Iterator[Prompt]:
-        rng = random.Random(self.seed)
-        while True:
-            order = list(self.train)
-            rng.shuffle(order)
-            yield from order
+        return _shuffled_epochs(self.train, self.seed)
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         return _repeat_to(self.eval, n, "gsm8k")
@@ -339,17 +350,12 @@ class CustomTask:
             prompts.append(
                 Prompt(f"custom:{line_no}", text, str(obj.get("answer", "")), metadata=obj)
             )
-        self.train = [p for p in prompts if not _in_eval_split(p.text)]
-        self.eval = [p for p in prompts if _in_eval_split(p.text)]
+        self.train, self.eval = _split_by_hash(prompts)
         if not self.train:
             raise TaskError(f"{path}: no training prompts")
 
     def train_prompts(self) -> Iterator[Prompt]:
-        rng = random.Random(self.seed)
-        while True:
-            order = list(self.train)
-            rng.shuffle(order)
-            yield from order
+        return _shuffled_epochs(self.train, self.seed)
 
     def eval_prompts(self, n: int) -> list[Prompt]:
         return _repeat_to(self.eval, n, "custom task")
