@@ -1,0 +1,282 @@
+"""The learner: batches of groups -> DeepSpeed optimizer steps with the REC / OPMD losses.
+
+    learner = Learner(cfg)                       # loads cfg.model, builds the DeepSpeed engine
+    metrics = learner.step(groups)               # one optimizer step per batch by default
+    arrays = learner.state_dict_for_sync()       # numpy arrays for the rollout engines
+
+A plain class (Ray wraps it in cluster/). Per step: advantages per group (the preset's
+settings), teacher-forced log-probs of the response tokens at the sampling temperature (the
+same quantity the engines record, docs in staleflow.actors.engine), the preset's loss
+normalised over the whole (mini-)batch even when it is split into micro-batches, then one
+optimizer step. The model runs in eval mode: dropout would make its log-probs disagree with
+the behaviour policy's; gradients flow all the same.
+
+CPU uses gloo; the JIT builds DeepSpeed would start on CPU (fused Adam, the shared-memory comm
+op) are avoided with a client torch AdamW and a no-op `build_shm_op` (design.md section 4).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from staleflow.buffer.records import Group
+from staleflow.learner.batch import TrainBatch, build_batch
+from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
+
+__all__ = ["Learner", "ensure_distributed", "response_logprobs"]
+
+
+def ensure_distributed(rank: int = 0, world_size: int = 1) -> None:
+    """Initialise torch.distributed through DeepSpeed once per process (gloo on CPU)."""
+    import deepspeed
+
+    if deepspeed.comm.is_initialized():
+        return
+    defaults = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        if world_size > 1:
+            raise RuntimeError("MASTER_PORT must be set for more than one learner rank")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR",
+        str(os.path.join(os.path.expanduser("~"), ".cache", "staleflow", "torch_extensions")),
+    )
+    # DeepSpeed's CPU shared-memory comm op JIT-compiles for about a minute; gloo needs none.
+    setattr(sys.modules["deepspeed.comm.torch"], "build_shm_op", lambda: None)  # noqa: B010
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend)
+
+
+def response_logprobs(model: Any, batch: TrainBatch, temperature: float) -> Tensor:
+    """[N, L - 1] log pi(target) at `temperature`, for every target position."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits[:, :-1].float() / temperature
+    targets = batch.input_ids[:, 1:]
+    taken: Tensor = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return taken - torch.logsumexp(logits, dim=-1)
+
+
+class Learner:
+    """A DeepSpeed engine around the policy, stepping on batches of groups."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        model: Any = None,
+        tokenizer: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        import deepspeed
+
+        ensure_distributed(rank, world_size)
+        if model is None:
+            from staleflow.actors.models import load_model
+
+            model, tokenizer = load_model(cfg.model)
+        if tokenizer is None:
+            raise ValueError("a learner given a model needs its tokenizer (for the pad id)")
+        self.cfg = cfg
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        self.loss_fn = loss_from_config(cfg.learner.loss)
+        self.temperature = cfg.rollout.temperature
+        opt = cfg.learner.optimizer
+        optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=opt.lr,
+            betas=opt.betas,
+            eps=opt.eps,
+            weight_decay=opt.weight_decay,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(cfg)
+        )
+        self.engine.eval()  # no dropout (see the module docstring)
+        self.steps = 0
+
+    @property
+    def model(self) -> Any:
+        return self.engine.module
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken: the policy version of the current weights."""
+        return self.steps
+
+    # ------------------------------------------------------------------------- training
+
+    def step(self, groups: Sequence[Group], learner_version: int | None = None) -> dict[str, float]:
+        """Train on `groups`: `mini_batches` optimizer steps per epoch, `epochs` passes
+        (one step by default). Returns the step's metrics as floats."""
+        version = self.steps if learner_version is None else learner_version
+        start = time.perf_counter()
+        batch = build_batch(
+            groups,
+            self.cfg.learner.loss.advantage,
+            self.pad_id,
+            seed=self.cfg.run.seed + self.steps,
+        )
+        sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch means
+        extrema: dict[str, float] = {}
+        timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0}
+        grad_norms, losses = [], []
+        for _ in range(self.cfg.learner.epochs):
+            for mini in _split(batch.num_sequences, self.cfg.learner.mini_batches):
+                loss, norm = self._optimizer_step(batch.rows(mini), sums, extrema, timing)
+                losses.append(loss)
+                grad_norms.append(norm)
+        elapsed = time.perf_counter() - start
+        tokens = int(batch.response_mask.sum())
+        lags = [version - v for v in batch.policy_versions]
+        counted = max(sums.pop("_tokens", 0.0), 1.0)
+        metrics = {k: v / counted for k, v in sums.items()}
+        metrics.update(extrema)
+        metrics.update(
+            loss=float(np.mean(losses)),
+            grad_norm=float(np.mean(grad_norms)),
+            lr=float(self.scheduler.get_last_lr()[0]),
+            lag_min=float(min(lags)),
+            lag_mean=float(np.mean(lags)),
+            lag_max=float(max(lags)),
+            groups=float(len(groups)),
+            tokens=float(tokens),
+            tokens_per_s=tokens * self.cfg.learner.epochs / elapsed if elapsed > 0 else 0.0,
+            step_time_s=elapsed,
+            **timing,
+        )
+        return metrics
+
+    def _optimizer_step(
+        self,
+        batch: TrainBatch,
+        sums: dict[str, float],
+        extrema: dict[str, float],
+        timing: dict[str, float],
+    ) -> tuple[float, float]:
+        """Forward/backward over micro-batches, then one optimizer step."""
+        mode = self.cfg.learner.loss.loss_agg_mode
+        denominator = loss_denominator(batch.response_mask, mode)
+        size = self.cfg.learner.micro_batch_size or batch.num_sequences
+        parts = _split(batch.num_sequences, math.ceil(batch.num_sequences / size))
+        total = 0.0
+        for i, part in enumerate(parts):
+            micro = batch.rows(part)
+            t0 = time.perf_counter()
+            logp = response_logprobs(self.engine, micro, self.temperature)
+            out = self.loss_fn(
+                LossInputs(
+                    logp=logp,
+                    behavior_logp=micro.behavior_logp,
+                    advantages=micro.advantages,
+                    mask=micro.response_mask,
+                    denominator=denominator,
+                )
+            )
+            t1 = time.perf_counter()
+            self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
+            self.engine.backward(out.loss)
+            timing["forward_s"] += t1 - t0
+            timing["backward_s"] += time.perf_counter() - t1
+            total += float(out.loss.detach())
+            n = float(out.metrics["num_tokens"])
+            sums["_tokens"] = sums.get("_tokens", 0.0) + n
+            sums["entropy"] = sums.get("entropy", 0.0) + float(
+                -aggregate(logp.detach(), micro.response_mask, "token-mean") * n
+            )  # a cheap estimate: -mean log pi of the (nearly on-policy) sampled tokens
+            for key in ("clip_frac", "ratio_mean", "approx_kl", "adv_mean", "regularizer"):
+                if key in out.metrics:
+                    sums[key] = sums.get(key, 0.0) + float(out.metrics[key]) * n
+            if n > 0:
+                low, high = float(out.metrics["ratio_min"]), float(out.metrics["ratio_max"])
+                extrema["ratio_min"] = min(extrema.get("ratio_min", low), low)
+                extrema["ratio_max"] = max(extrema.get("ratio_max", high), high)
+        t2 = time.perf_counter()
+        norm = self._grad_norm()
+        self.engine.step()
+        timing["step_s"] += time.perf_counter() - t2
+        self.steps += 1
+        return total, norm
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            reported = self.engine.get_global_grad_norm()
+            return float(reported) if reported is not None else float("nan")
+        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+    # ------------------------------------------------------------------------- inspection
+
+    @torch.no_grad()
+    def evaluate_loss(self, groups: Sequence[Group]) -> float:
+        """The loss on `groups` with the current weights, without training."""
+        batch = build_batch(groups, self.cfg.learner.loss.advantage, self.pad_id, seed=0)
+        logp = response_logprobs(self.engine, batch, self.temperature)
+        out = self.loss_fn(
+            LossInputs(logp, batch.behavior_logp, batch.advantages, batch.response_mask)
+        )
+        return float(out.loss)
+
+    def state_dict_for_sync(self) -> dict[str, np.ndarray]:
+        """The weights as numpy arrays (bfloat16 as int16 views), for `load_weights`."""
+        out = {}
+        for name, tensor in self.engine.module.state_dict().items():
+            t = tensor.detach().cpu()
+            out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+        return out
+
+
+def _split(n: int, parts: int) -> list[slice]:
+    """`parts` contiguous, nearly equal slices of range(n) (fewer if n < parts)."""
+    parts = max(1, min(parts, n))
+    edges = np.linspace(0, n, parts + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in itertools.pairwise(edges)]
+
+
+def _ds_config(cfg: Any) -> dict[str, Any]:
+    learner = cfg.learner
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # batching is ours; DeepSpeed never splits
+        "gradient_accumulation_steps": 1,  # and we mark the accumulation boundary ourselves
+        "gradient_clipping": learner.optimizer.grad_clip or 0.0,
+        "zero_optimization": {"stage": learner.zero_stage},
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "steps_per_print": 2**31 - 1,
+        "zero_allow_untested_optimizer": True,
+    }
+
+
+def _lr_lambda(cfg: Any) -> Any:
+    opt, total = cfg.learner.optimizer, int(cfg.run.steps)
+    warmup, floor = int(opt.warmup_steps), float(opt.min_lr_ratio)
+
+    def factor(step: int) -> float:
+        if opt.schedule == "constant":
+            return 1.0
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor

@@ -1,0 +1,180 @@
+"""The DeepSpeed learner on the tiny model: the pure loss, micro-batching, presets, lag, sync."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from staleflow.actors.engine import SamplingParams
+from staleflow.actors.hf_engine import HFEngine
+from staleflow.actors.models import tiny_model
+from staleflow.buffer.records import Group, Response
+from staleflow.configs import parse_config
+from staleflow.learner.batch import build_batch
+from staleflow.learner.learner import Learner, response_logprobs
+from staleflow.learner.losses import PRESETS, LossInputs, get_loss
+
+pytestmark = pytest.mark.integration
+
+
+def config(loss: str = "rec-oneside-is", **learner: object) -> object:
+    extra = "".join(f", {k}: {v}" for k, v in learner.items())
+    return parse_config(
+        f"""
+model: {{preset: tiny}}
+rollout: {{temperature: 0.9}}
+learner: {{optimizer: {{lr: 1.0e-3, grad_clip: null}}, loss: {{name: {loss}}}{extra}}}
+"""
+    )
+
+
+def sampled_groups(
+    behaviour_seed: int = 1, n: int = 4, k: int = 4, version: int = 0
+) -> list[Group]:
+    """Real completions from the tiny model of `behaviour_seed` (seed 0 is the learner's own,
+    so other seeds give off-policy data), with rewards 1, 0, 1, 0, ... in every group."""
+    model, tokenizer = tiny_model(behaviour_seed)
+    engine = HFEngine(model, tokenizer)
+    prompts = [tokenizer(f"What is {i} + {i + 1}?").input_ids for i in range(n)]
+    out = engine.generate(prompts, k, SamplingParams(temperature=0.9, max_new_tokens=6, seed=3))
+    return [
+        Group.new(
+            run_id="t",
+            prompt_id=f"p{i}",
+            task="t",
+            prompt_token_ids=prompt,
+            worker_id="w",
+            policy_version=version,
+            responses=[
+                Response(c.token_ids, c.logprobs, float(j % 2 == 0), c.finish_reason)
+                for j, c in enumerate(row)
+            ],
+        )
+        for i, (prompt, row) in enumerate(zip(prompts, out, strict=True))
+    ]
+
+
+def new_learner(cfg, seed: int = 0) -> Learner:
+    model, tokenizer = tiny_model(seed)
+    return Learner(cfg, model=model, tokenizer=tokenizer)
+
+
+def test_loss_and_update_match_the_pure_loss_function():
+    cfg = config("rec-oneside-is")
+    groups = sampled_groups(behaviour_seed=1)  # off-policy: rho != 1, clipping active
+    reference, tokenizer = tiny_model(0)
+    learner = new_learner(cfg)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+
+    # the reference: the pure loss on the same tensors, by hand
+    batch = build_batch(groups, cfg.learner.loss.advantage, tokenizer.pad_token_id, seed=0)
+    logp = response_logprobs(reference, batch, 0.9)
+    out = get_loss("rec-oneside-is")(
+        LossInputs(logp, batch.behavior_logp, batch.advantages, batch.response_mask)
+    )
+    out.loss.backward()
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+
+    metrics = learner.step(groups)
+    assert metrics["loss"] == pytest.approx(float(out.loss.detach()), rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-4)
+    assert metrics["clip_frac"] == pytest.approx(float(out.metrics["clip_frac"]), abs=1e-6)
+    assert 0 < metrics["clip_frac"] < 1
+    # AdamW's first step moves each weight by -lr * g / (|g| + eps) (bias-corrected m, v)
+    for name, p in learner.model.named_parameters():
+        g = grads[name]
+        expected = before[name] - 1e-3 * g / (g.abs() + 1e-8)
+        torch.testing.assert_close(p.detach(), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batches_give_the_same_update_as_the_whole_batch(mode):
+    # AdamW with eps = 1 moves weights by ~ -lr * g, so equal updates mean equal gradients
+    # (with eps = 1e-8, g / (|g| + eps) would blow float rounding of tiny gradients up).
+    def cfg(micro: str) -> object:
+        return parse_config(
+            "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+            "learner: {optimizer: {lr: 1.0e-2, eps: 1.0, grad_clip: null}, "
+            f"loss: {{name: rec-oneside-is, loss_agg_mode: {mode}}}, micro_batch_size: {micro}}}\n"
+        )
+
+    groups = sampled_groups(behaviour_seed=2)
+    whole, split = new_learner(cfg("null")), new_learner(cfg("3"))  # 16 rows: 6 uneven parts
+    a, b = whole.step(groups), split.step(groups)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    moved = 0.0
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9, msg=name)
+        moved = max(moved, float((p.detach() - tiny_model(0)[0].state_dict()[name]).abs().max()))
+    assert moved > 1e-5  # the step did change the weights
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_step_moves_the_policy_the_expected_way(preset):
+    # Every preset is a policy-gradient step: it raises the log-likelihood of responses with
+    # positive advantage and lowers it for negative ones, i.e. sum(A * log pi) goes up. (A loss
+    # *value* need not fall: CISPO's detached weight clip(rho) itself moves with the step.)
+    groups = sampled_groups(behaviour_seed=0)  # on-policy
+    cfg = parse_config(
+        "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+        f"learner: {{optimizer: {{lr: 1.0e-4, grad_clip: null}}, loss: {{name: {preset}}}}}\n"
+    )
+    learner = new_learner(cfg)
+    batch = build_batch(groups, cfg.learner.loss.advantage, learner.pad_id, seed=0)
+
+    def weighted_loglik() -> float:
+        with torch.no_grad():
+            logp = response_logprobs(learner.model, batch, 0.9)
+        return float((batch.advantages[:, None] * logp * batch.response_mask).sum())
+
+    before = weighted_loglik()
+    learner.step(groups)
+    after = weighted_loglik()
+    assert after > before, f"{preset}: sum(A log pi) {before:.5f} -> {after:.5f}"
+
+
+def test_lag_of_the_groups_trained_on():
+    groups = [
+        *sampled_groups(n=1, version=0),
+        *sampled_groups(n=1, version=2),
+        *sampled_groups(n=1, version=3),
+    ]
+    metrics = new_learner(config()).step(groups, learner_version=5)
+    assert (metrics["lag_min"], metrics["lag_mean"], metrics["lag_max"]) == (2.0, 10 / 3, 5.0)
+
+
+def test_on_policy_ratio_is_one_and_versions_count_steps():
+    learner = new_learner(config("grpo"))
+    metrics = learner.step(sampled_groups(behaviour_seed=0))
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # engine == learner log-probs
+    assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((1.0, 1.0), abs=1e-4)
+    assert metrics["clip_frac"] == 0.0
+    assert learner.version == 1
+
+
+def test_synced_weights_reproduce_the_learner_in_an_engine():
+    learner = new_learner(config())
+    learner.step(sampled_groups(behaviour_seed=1))
+    model, tokenizer = tiny_model(seed=5)
+    engine = HFEngine(model, tokenizer)
+    engine.load_weights(learner.state_dict_for_sync(), version=learner.version)
+    for name, p in learner.model.state_dict().items():
+        torch.testing.assert_close(engine.model.state_dict()[name], p, msg=name)
+    assert engine.version == 1
+
+
+def test_warmup_cosine_schedule():
+    cfg = parse_config(
+        "model: {preset: tiny}\nrun: {steps: 10}\nlearner: {optimizer: {lr: 1.0e-3, "
+        "schedule: warmup_cosine, warmup_steps: 2, min_lr_ratio: 0.1}}\n"
+    )
+    learner = new_learner(cfg)
+    groups = sampled_groups(n=1)
+    lrs = [learner.step(groups)["lr"] for _ in range(10)]
+    assert lrs[0] == pytest.approx(1e-3)  # after step 1 of warmup (factor 2/2)
+    assert max(lrs) == pytest.approx(1e-3)
+    assert lrs[-1] == pytest.approx(1e-4, rel=1e-3)  # decayed to min_lr_ratio
+    assert all(np.diff(lrs[1:]) <= 1e-12)
