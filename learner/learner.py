@@ -115,6 +115,12 @@ class Learner:
         )
         self.engine.eval()  # no dropout (see the module docstring)
         self.steps = 0
+        # A frozen copy of the initial policy for the optional KL penalty (loss.kl_coef).
+        self.reference = None
+        if cfg.learner.reference_model:
+            import copy
+
+            self.reference = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
 
     @property
     def model(self) -> Any:
@@ -185,12 +191,17 @@ class Learner:
             micro = batch.rows(part)
             t0 = time.perf_counter()
             logp = response_logprobs(self.engine, micro, self.temperature)
+            ref_logp = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logp = response_logprobs(self.reference, micro, self.temperature)
             out = self.loss_fn(
                 LossInputs(
                     logp=logp,
                     behavior_logp=micro.behavior_logp,
                     advantages=micro.advantages,
                     mask=micro.response_mask,
+                    ref_logp=ref_logp,
                     denominator=denominator,
                 )
             )
@@ -205,7 +216,14 @@ class Learner:
             sums["entropy"] = sums.get("entropy", 0.0) + float(
                 -aggregate(logp.detach(), micro.response_mask, "token-mean") * n
             )  # a cheap estimate: -mean log pi of the (nearly on-policy) sampled tokens
-            for key in ("clip_frac", "ratio_mean", "approx_kl", "adv_mean", "regularizer"):
+            for key in (
+                "clip_frac",
+                "ratio_mean",
+                "approx_kl",
+                "adv_mean",
+                "regularizer",
+                "kl_ref",
+            ):
                 if key in out.metrics:
                     sums[key] = sums.get(key, 0.0) + float(out.metrics[key]) * n
             if n > 0:
@@ -213,18 +231,35 @@ class Learner:
                 extrema["ratio_min"] = min(extrema.get("ratio_min", low), low)
                 extrema["ratio_max"] = max(extrema.get("ratio_max", high), high)
         t2 = time.perf_counter()
-        norm = self._grad_norm()
+        # ZeRO 0 leaves full gradients on the parameters; ZeRO 2/3 partition them and
+        # DeepSpeed computes the global norm inside step().
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        norm = (
+            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            if grads
+            else None
+        )
         self.engine.step()
+        if norm is None:
+            reported = self.engine.get_global_grad_norm()
+            norm = float(reported) if reported is not None else float("nan")
         timing["step_s"] += time.perf_counter() - t2
         self.steps += 1
         return total, norm
 
-    def _grad_norm(self) -> float:
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
-            reported = self.engine.get_global_grad_norm()
-            return float(reported) if reported is not None else float("nan")
-        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    # ------------------------------------------------------------------------- persistence
+
+    def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
+        """Checkpoint everything needed to resume exactly (see staleflow.learner.checkpoint)."""
+        from staleflow.learner.checkpoint import save_checkpoint
+
+        save_checkpoint(self, path, extra)
+
+    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Resume from `save`; returns the `extra` data saved with it."""
+        from staleflow.learner.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)
 
     # ------------------------------------------------------------------------- inspection
 
@@ -239,11 +274,21 @@ class Learner:
         return float(out.loss)
 
     def state_dict_for_sync(self) -> dict[str, np.ndarray]:
-        """The weights as numpy arrays (bfloat16 as int16 views), for `load_weights`."""
+        """The full weights as numpy arrays (bfloat16 as int16 views), for `load_weights`.
+
+        Under ZeRO-3 the partitioned parameters are gathered first (every rank must call)."""
+        import contextlib
+
+        import deepspeed
+
+        gather: Any = contextlib.nullcontext()
+        if self.cfg.learner.zero_stage == 3:
+            gather = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()))
         out = {}
-        for name, tensor in self.engine.module.state_dict().items():
-            t = tensor.detach().cpu()
-            out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+        with gather:
+            for name, tensor in self.engine.module.state_dict().items():
+                t = tensor.detach().cpu().clone()
+                out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
         return out
 
 

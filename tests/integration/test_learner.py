@@ -178,3 +178,49 @@ def test_warmup_cosine_schedule():
     assert max(lrs) == pytest.approx(1e-3)
     assert lrs[-1] == pytest.approx(1e-4, rel=1e-3)  # decayed to min_lr_ratio
     assert all(np.diff(lrs[1:]) <= 1e-12)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_stages_agree_with_stage_zero(stage):
+    def cfg(zero: int) -> object:
+        return parse_config(
+            "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+            f"learner: {{zero_stage: {zero}, optimizer: {{lr: 1.0e-2, eps: 1.0, grad_clip: 1.0}}, "
+            "loss: {name: rec-oneside-is}}\n"
+        )
+
+    groups = sampled_groups(behaviour_seed=2)
+    base, other = new_learner(cfg(0)), new_learner(cfg(stage))
+    a, b = base.step(groups), other.step(groups)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # partitioned: from step()
+    synced_a, synced_b = base.state_dict_for_sync(), other.state_dict_for_sync()
+    assert synced_a.keys() == synced_b.keys()
+    for name in synced_a:
+        np.testing.assert_allclose(synced_a[name], synced_b[name], rtol=1e-5, atol=1e-7)
+
+
+def test_reference_model_kl_penalty_pulls_towards_the_initial_policy():
+    def cfg(kl: float) -> object:
+        return parse_config(
+            "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+            f"learner: {{reference_model: true, optimizer: {{lr: 1.0e-2, grad_clip: null}}, "
+            f"loss: {{name: reinforce, kl_coef: {kl}, kl_estimator: k3}}}}\n"
+        )
+
+    groups = sampled_groups(behaviour_seed=0)
+    free, anchored = new_learner(cfg(0.0)), new_learner(cfg(10.0))
+    for _ in range(3):
+        m_free, m_anchored = free.step(groups), anchored.step(groups)
+    assert m_anchored["kl_ref"] > 0
+    # a strong KL penalty keeps the policy closer to where it started
+    start, _ = tiny_model(0)
+
+    def drift(learner: Learner) -> float:
+        return sum(
+            float((p.detach() - q.detach()).pow(2).sum())
+            for p, q in zip(learner.model.parameters(), start.parameters(), strict=True)
+        )
+
+    assert drift(anchored) < drift(free)
+    assert "kl_ref" not in m_free
