@@ -9,6 +9,7 @@ the whole [steps, batch, vocab] history.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -197,7 +198,9 @@ def load_named_arrays(params: dict[str, torch.Tensor], weights: WeightsUpdate) -
             if target is None:
                 known = ", ".join(sorted(params)[:5])
                 raise KeyError(f"unknown parameter {name!r} (the model has e.g. {known}, ...)")
-            source = torch.from_numpy(np.ascontiguousarray(array))
+            with warnings.catch_warnings():  # read-only arrays (the object store's) are only read
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                source = torch.from_numpy(np.ascontiguousarray(array))
             if source.dtype == torch.int16:
                 source = source.view(torch.bfloat16)
             if tuple(source.shape) != tuple(target.shape):

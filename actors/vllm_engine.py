@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from staleflow.actors.engine import Completion, SamplingParams, WeightsUpdate, as_named_arrays
+from staleflow.learner.publish import bucketize
 
 __all__ = ["VLLMEngine", "WeightLoaderExtension", "buckets"]
 
@@ -53,19 +54,9 @@ class WeightLoaderExtension:
 def buckets(
     weights: WeightsUpdate, bucket_bytes: int
 ) -> Iterator[tuple[list[str], list[np.ndarray]]]:
-    """Group named arrays into buckets of about `bucket_bytes` (a large array is its own)."""
-    names: list[str] = []
-    arrays: list[np.ndarray] = []
-    size = 0
-    for name, array in as_named_arrays(weights):
-        if names and size + array.nbytes > bucket_bytes:
-            yield names, arrays
-            names, arrays, size = [], [], 0
-        names.append(name)
-        arrays.append(array)
-        size += array.nbytes
-    if names:
-        yield names, arrays
+    """Named arrays in buckets of about `bucket_bytes`, as (names, arrays) for one RPC each."""
+    for bucket in bucketize(dict(as_named_arrays(weights)), bucket_bytes):
+        yield list(bucket), list(bucket.values())
 
 
 class VLLMEngine:

@@ -103,6 +103,12 @@ class RolloutWorker:
         self.engine.load_weights(weights, version)
         return self.engine.version
 
+    def load_published(self, handle: Any) -> int:
+        """Install weights published by the learner (a `RayWeights` or `CheckpointWeights`
+        from staleflow.learner.publish), fetching them bucket by bucket."""
+        self.engine.load_weights(handle.arrays(), handle.version)
+        return self.engine.version
+
     def next_prompts(self, n: int) -> list[Prompt]:
         return list(itertools.islice(self._prompts, n))
 

@@ -115,6 +115,7 @@ class Learner:
         )
         self.engine.eval()  # no dropout (see the module docstring)
         self.steps = 0
+        self.rank, self.world_size = rank, world_size
         # A frozen copy of the initial policy for the optional KL penalty (loss.kl_coef).
         self.reference = None
         if cfg.learner.reference_model:
@@ -151,6 +152,8 @@ class Learner:
         for _ in range(self.cfg.learner.epochs):
             for mini in _split(batch.num_sequences, self.cfg.learner.mini_batches):
                 loss, norm = self._optimizer_step(batch.rows(mini), sums, extrema, timing)
+                if self.world_size > 1:
+                    loss = _all_reduce_sum(loss)  # each rank held its shard's share
                 losses.append(loss)
                 grad_norms.append(norm)
         elapsed = time.perf_counter() - start
@@ -183,7 +186,18 @@ class Learner:
     ) -> tuple[float, float]:
         """Forward/backward over micro-batches, then one optimizer step."""
         mode = self.cfg.learner.loss.loss_agg_mode
+        # Every rank builds the same batch: the whole batch's denominator is known locally.
         denominator = loss_denominator(batch.response_mask, mode)
+        scale = 1.0
+        if self.world_size > 1:
+            batch = batch.rows(_token_balanced_shard(batch, self.rank, self.world_size))
+            scale = float(self.world_size)  # DeepSpeed averages gradients over ranks
+        if batch.num_sequences == 0:  # fewer sequences than ranks: still join the all-reduce
+            self.engine.set_gradient_accumulation_boundary(True)
+            self.engine.backward(sum(p.sum() * 0.0 for p in self.engine.module.parameters()))
+            self.engine.step()
+            self.steps += 1
+            return 0.0, float("nan")
         size = self.cfg.learner.micro_batch_size or batch.num_sequences
         parts = _split(batch.num_sequences, math.ceil(batch.num_sequences / size))
         total = 0.0
@@ -207,7 +221,7 @@ class Learner:
             )
             t1 = time.perf_counter()
             self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
-            self.engine.backward(out.loss)
+            self.engine.backward(out.loss * scale)
             timing["forward_s"] += t1 - t0
             timing["backward_s"] += time.perf_counter() - t1
             total += float(out.loss.detach())
@@ -290,6 +304,27 @@ class Learner:
                 t = tensor.detach().cpu().clone()
                 out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
         return out
+
+
+def _token_balanced_shard(batch: TrainBatch, rank: int, world_size: int) -> Tensor:
+    """This rank's sequences: longest first, each to the rank with the fewest tokens so far
+    (deterministic, so every rank computes the same assignment)."""
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    loads = [0] * world_size
+    owner = [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += lengths[i]
+    return torch.tensor([i for i, r in enumerate(owner) if r == rank], dtype=torch.long)
+
+
+def _all_reduce_sum(value: float) -> float:
+    import deepspeed
+
+    t = torch.tensor([value], dtype=torch.float64)
+    deepspeed.comm.all_reduce(t)
+    return float(t[0])
 
 
 def _split(n: int, parts: int) -> list[slice]:

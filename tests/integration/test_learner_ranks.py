@@ -1,0 +1,63 @@
+"""Data parallelism: two learner ranks (real processes, gloo) make the same update as one."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+
+from staleflow.configs import parse_config
+
+from .test_learner import new_learner, sampled_groups
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CFG = (
+    "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+    "learner: {optimizer: {lr: 1.0e-2, eps: 1.0, grad_clip: 1.0}, "
+    "loss: {name: rec-oneside-is}, micro_batch_size: 3}\n"
+)
+
+
+def _rank(rank: int, port: int, groups: list, out_dir: str) -> None:
+    import os
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    from staleflow.actors.models import tiny_model
+    from staleflow.learner.learner import Learner
+
+    model, tokenizer = tiny_model(0)
+    learner = Learner(parse_config(CFG), model=model, tokenizer=tokenizer, rank=rank, world_size=2)
+    metrics = learner.step(groups)
+    arrays = learner.state_dict_for_sync()
+    if rank == 0:
+        np.savez(f"{out_dir}/weights.npz", **arrays)
+        with open(f"{out_dir}/metrics.json", "w") as f:
+            json.dump(metrics, f)
+
+
+def test_two_ranks_make_the_same_update_as_one(tmp_path):
+    groups = sampled_groups(behaviour_seed=2)  # 16 sequences of different lengths
+    single = new_learner(parse_config(CFG))
+    expected = single.step(groups)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, port, groups, str(tmp_path))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    got = json.loads((tmp_path / "metrics.json").read_text())
+    assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    weights = np.load(tmp_path / "weights.npz")
+    for name, array in single.state_dict_for_sync().items():
+        np.testing.assert_allclose(weights[name], array, rtol=1e-5, atol=1e-7, err_msg=name)

@@ -1,0 +1,151 @@
+"""Weight publishing from the learner to rollout engines: Ray object store, files, broadcast."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from staleflow.actors.hf_engine import HFEngine
+from staleflow.actors.models import tiny_model
+from staleflow.actors.worker import RolloutWorker
+from staleflow.configs import parse_config
+from staleflow.learner.publish import (
+    BroadcastPublisher,
+    CheckpointPublisher,
+    RayPublisher,
+    bucketize,
+    read_published,
+)
+
+from .test_learner import config, new_learner, sampled_groups
+
+pytestmark = pytest.mark.integration
+
+
+def trained_learner():
+    learner = new_learner(config())
+    learner.step(sampled_groups(behaviour_seed=1))
+    return learner
+
+
+def assert_engine_has(engine: HFEngine, arrays: dict[str, np.ndarray]) -> None:
+    state = engine.model.state_dict()
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(state[name].numpy(), array, err_msg=name)
+
+
+def test_bucketize_keeps_order_and_size():
+    arrays = {f"p{i}": np.zeros(n, np.float32) for i, n in enumerate([10, 10, 30, 5])}
+    assert [list(b) for b in bucketize(arrays, bucket_bytes=100)] == [["p0", "p1"], ["p2"], ["p3"]]
+
+
+def test_ray_publish_in_buckets_reaches_an_engine(ray_local):
+    learner = trained_learner()
+    arrays = learner.state_dict_for_sync()
+    handle = RayPublisher(bucket_mb=0).publish(arrays, version=learner.version)  # 1 param/bucket
+    assert handle.stats.buckets == len(arrays)
+    assert handle.stats.bytes == sum(a.nbytes for a in arrays.values())
+    assert handle.stats.seconds >= 0
+    model, tokenizer = tiny_model(seed=4)
+    engine = HFEngine(model, tokenizer)
+    engine.load_weights(handle.arrays(), handle.version)
+    assert engine.version == 1
+    assert_engine_has(engine, arrays)
+
+
+def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redis_url):
+    # After a sync through the object store, the worker's behaviour log-probs are the
+    # learner's own: a step on its fresh groups sees ratio 1 everywhere.
+    import ray
+
+    from staleflow.buffer.replay import ReplayBuffer
+
+    cfg = parse_config(
+        "model: {preset: tiny, seed: 3}\ntask: {name: arithmetic, chat_template: false}\n"
+        "rollout: {prompts_per_batch: 3, group_size: 4, max_new_tokens: 6, temperature: 0.9}\n"
+    )
+    learner = trained_learner()
+    handle = RayPublisher().publish(learner.state_dict_for_sync(), version=learner.version)
+    actor = ray.remote(RolloutWorker).remote(cfg, run_id="sync", redis_url=redis_url)
+    assert ray.get(actor.load_published.remote(handle), timeout=120) == 1
+    assert ray.get(actor.run_batch.remote(1), timeout=120).pushed == 3
+    groups = ReplayBuffer(redis_url, "sync").take(3, learner_version=1).groups
+    metrics = learner.step(groups)
+    assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((1.0, 1.0), abs=1e-4)
+    assert metrics["lag_max"] == 0.0
+    ray.kill(actor)
+
+
+def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path):
+    learner = trained_learner()
+    publisher = CheckpointPublisher(tmp_path / "weights", keep=2)
+    first = learner.state_dict_for_sync()
+    publisher.publish(first, version=1)
+    learner.step(sampled_groups(behaviour_seed=2))
+    second = learner.state_dict_for_sync()
+    handle = publisher.publish(second, version=2)
+    publisher.publish(second, version=3)
+    files = sorted(p.name for p in (tmp_path / "weights").iterdir())
+    assert files == ["LATEST", "weights-v00000002.safetensors", "weights-v00000003.safetensors"]
+    version, arrays = read_published(tmp_path / "weights")
+    assert version == 3
+    assert all(np.array_equal(arrays[k], second[k]) for k in second)
+    model, tokenizer = tiny_model(seed=4)
+    engine = HFEngine(model, tokenizer)
+    engine.load_weights(handle.arrays(), handle.version)
+    assert engine.version == 2
+    assert_engine_has(engine, second)
+
+
+def test_reading_before_anything_was_published(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no weights published"):
+        read_published(tmp_path)
+
+
+def _broadcast_rank(rank: int, port: int, arrays: dict, queue) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])  # the dedicated learner -> engine group
+    publisher = BroadcastPublisher(group, src=0, bucket_mb=0)
+    if rank == 0:
+        publisher.send(arrays, version=7)
+    else:
+        received = {}
+        for layout in publisher.layouts(arrays):  # the layouts travel as metadata
+            received.update(publisher.receive_bucket(layout))
+        queue.put({k: v.tolist() for k, v in received.items()})
+    dist.destroy_process_group()
+
+
+def test_bucketed_broadcast_delivers_every_parameter_bit_exactly():
+    # The nccl method's code, run over gloo on CPU between two real processes.
+    arrays = {
+        "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "b": np.array([1, -2, 3], dtype=np.int16),  # a bfloat16 view travels as int16
+        "c": np.random.default_rng(0).standard_normal(50).astype(np.float32),
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, arrays, queue)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    received = queue.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(np.array(received[name], dtype=array.dtype), array)
+
+
+@pytest.mark.gpu
+def test_nccl_broadcast_on_gpu():
+    assert torch.cuda.is_available(), "run on a machine with a CUDA device"
