@@ -116,6 +116,10 @@ class Learner:
         self.engine.eval()  # no dropout (see the module docstring)
         self.steps = 0
         self.rank, self.world_size = rank, world_size
+        # At ZeRO 0 one rank has nothing to all-reduce, yet DeepSpeed would flatten and copy
+        # every gradient after each backward. (ZeRO 1-3 need that pass to fill partitions.)
+        if cfg.learner.zero_stage == 0 and world_size == 1:
+            self.engine.enable_backward_allreduce = False
         # A frozen copy of the initial policy for the optional KL penalty (loss.kl_coef).
         self.reference = None
         if cfg.learner.reference_model:
@@ -245,14 +249,14 @@ class Learner:
                 extrema["ratio_min"] = min(extrema.get("ratio_min", low), low)
                 extrema["ratio_max"] = max(extrema.get("ratio_max", high), high)
         t2 = time.perf_counter()
-        # ZeRO 0 leaves full gradients on the parameters; ZeRO 2/3 partition them and
-        # DeepSpeed computes the global norm inside step().
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        norm = (
-            float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-            if grads
-            else None
-        )
+        # ZeRO 0 leaves full (already all-reduced) gradients on the parameters: clip them here,
+        # which also yields the norm. ZeRO 1-3 partition them: DeepSpeed clips inside step()
+        # and reports the global norm.
+        norm = None
+        if self.cfg.learner.zero_stage == 0:
+            clip = self.cfg.learner.optimizer.grad_clip
+            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")))
         self.engine.step()
         if norm is None:
             reported = self.engine.get_global_grad_norm()
@@ -339,7 +343,8 @@ def _ds_config(cfg: Any) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": 1,  # batching is ours; DeepSpeed never splits
         "gradient_accumulation_steps": 1,  # and we mark the accumulation boundary ourselves
-        "gradient_clipping": learner.optimizer.grad_clip or 0.0,
+        # ZeRO 0: the learner clips (and reads the norm) itself; ZeRO 1-3: DeepSpeed does.
+        "gradient_clipping": (learner.optimizer.grad_clip or 0.0) if learner.zero_stage else 0.0,
         "zero_optimization": {"stage": learner.zero_stage},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
         "steps_per_print": 2**31 - 1,
