@@ -107,12 +107,16 @@ def test_reading_before_anything_was_published(tmp_path):
         read_published(tmp_path)
 
 
-def _broadcast_rank(rank: int, port: int, arrays: dict, queue) -> None:
+def _broadcast_rank(rank: int, port: int, arrays: dict, queue, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    device = "cpu"
+    if backend == "nccl":
+        device = f"cuda:{rank}"  # NCCL wants one device per rank
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     group = dist.new_group([0, 1])  # the dedicated learner -> engine group
-    publisher = BroadcastPublisher(group, src=0, bucket_mb=0)
+    publisher = BroadcastPublisher(group, src=0, bucket_mb=0, device=device)
     if rank == 0:
         publisher.send(arrays, version=7)
     else:
@@ -123,8 +127,7 @@ def _broadcast_rank(rank: int, port: int, arrays: dict, queue) -> None:
     dist.destroy_process_group()
 
 
-def test_bucketed_broadcast_delivers_every_parameter_bit_exactly():
-    # The nccl method's code, run over gloo on CPU between two real processes.
+def run_broadcast(backend: str) -> None:
     arrays = {
         "a": np.arange(12, dtype=np.float32).reshape(3, 4),
         "b": np.array([1, -2, 3], dtype=np.int16),  # a bfloat16 view travels as int16
@@ -135,7 +138,9 @@ def test_bucketed_broadcast_delivers_every_parameter_bit_exactly():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, arrays, queue)) for r in (0, 1)]
+    procs = [
+        ctx.Process(target=_broadcast_rank, args=(r, port, arrays, queue, backend)) for r in (0, 1)
+    ]
     for p in procs:
         p.start()
     received = queue.get(timeout=120)
@@ -146,6 +151,14 @@ def test_bucketed_broadcast_delivers_every_parameter_bit_exactly():
         np.testing.assert_array_equal(np.array(received[name], dtype=array.dtype), array)
 
 
+def test_bucketed_broadcast_delivers_every_parameter_bit_exactly():
+    # The nccl method's code, run over gloo on CPU between two real processes.
+    run_broadcast("gloo")
+
+
 @pytest.mark.gpu
-def test_nccl_broadcast_on_gpu():
-    assert torch.cuda.is_available(), "run on a machine with a CUDA device"
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL needs one GPU per rank: run with 2+ GPUs"
+)
+def test_bucketed_broadcast_over_nccl():
+    run_broadcast("nccl")
