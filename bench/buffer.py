@@ -21,33 +21,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
-import numpy as np
 import redis
 
 from staleflow.buffer.codec import decode_fields, encode_fields
 from staleflow.buffer.connection import connect
-from staleflow.buffer.records import Group, Response
+from staleflow.buffer.records import Group, synthetic_groups
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.buffer.server import RedisServer
-
-
-def make_groups(n: int, k: int = 8, tokens: int = 1024, seed: int = 0) -> list[Group]:
-    rng = np.random.default_rng(seed)
-    return [
-        Group.new(
-            run_id="bench",
-            prompt_id=f"p{i}",
-            task="arithmetic",
-            prompt_token_ids=rng.integers(0, 50_000, 128),
-            responses=[
-                Response(rng.integers(0, 50_000, tokens), -rng.random(tokens), float(j % 2))
-                for j in range(k)
-            ],
-            policy_version=i % 4,
-            worker_id="bench",
-        )
-        for i in range(n)
-    ]
 
 
 def timed(fn: Callable[[], int]) -> tuple[float, int]:
@@ -109,7 +89,7 @@ def buffer_take_ack(buffer: ReplayBuffer, batch: int) -> int:
 
 
 def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
-    groups = make_groups(n_groups)
+    groups = synthetic_groups(n_groups)
     entries = raw_entries(groups)
     mb_per_group = sum(len(v) for e in entries for v in e.values() if isinstance(v, bytes)) / 1e6
     mb_per_group /= n_groups

@@ -25,29 +25,9 @@ import numpy as np
 import torch
 
 
-def synthetic_groups(vocab: int, n: int, k: int, tokens: int, seed: int = 0) -> list:
-    from staleflow.buffer.records import Group, Response
-
-    rng = np.random.default_rng(seed)
-    return [
-        Group.new(
-            run_id="bench",
-            prompt_id=f"p{g}",
-            task="bench",
-            worker_id="w",
-            policy_version=0,
-            prompt_token_ids=rng.integers(0, vocab, 24),
-            responses=[
-                Response(rng.integers(0, vocab, tokens), -rng.random(tokens) - 0.5, float(i % 2))
-                for i in range(k)
-            ],
-        )
-        for g in range(n)
-    ]
-
-
 def learner_vs_bare(model_name: str, args: argparse.Namespace) -> None:
     from staleflow.actors.models import load_model
+    from staleflow.buffer.records import synthetic_groups
     from staleflow.configs import parse_config
     from staleflow.learner.batch import build_batch
     from staleflow.learner.learner import Learner, response_logprobs
@@ -61,7 +41,9 @@ def learner_vs_bare(model_name: str, args: argparse.Namespace) -> None:
     model, tokenizer = load_model(cfg.model)
     bare_model = copy.deepcopy(model)
     learner = Learner(cfg, model=model, tokenizer=tokenizer)
-    groups = synthetic_groups(len(tokenizer), args.groups, args.k, args.tokens)
+    groups = synthetic_groups(
+        args.groups, args.k, args.tokens, vocab=len(tokenizer), prompt_tokens=24
+    )
     batch = build_batch(groups, cfg.learner.loss.advantage, learner.pad_id, seed=0)
     loss_fn = loss_from_config(cfg.learner.loss)
     optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-6)

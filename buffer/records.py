@@ -24,6 +24,7 @@ __all__ = [
     "Group",
     "MetaValue",
     "Response",
+    "synthetic_groups",
 ]
 
 SCHEMA_VERSION = 1
@@ -201,3 +202,34 @@ class Group:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def synthetic_groups(
+    n: int,
+    k: int = 8,
+    tokens: int = 1024,
+    vocab: int = 50_000,
+    prompt_tokens: int = 128,
+    seed: int = 0,
+) -> list[Group]:
+    """`n` groups of random tokens with plausible log-probs and rewards 0/1 alternating
+    (for benchmarks and tests, where only shapes and sizes matter)."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(n):
+        responses = [
+            Response(rng.integers(0, vocab, tokens), -rng.random(tokens) - 0.5, float(i % 2))
+            for i in range(k)
+        ]
+        groups.append(
+            Group.new(
+                run_id="synthetic",
+                prompt_id=f"p{g}",
+                task="synthetic",
+                prompt_token_ids=rng.integers(0, vocab, prompt_tokens),
+                responses=responses,
+                policy_version=g % 4,
+                worker_id="synthetic",
+            )
+        )
+    return groups
