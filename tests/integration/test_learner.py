@@ -224,3 +224,42 @@ def test_reference_model_kl_penalty_pulls_towards_the_initial_policy():
 
     assert drift(anchored) < drift(free)
     assert "kl_ref" not in m_free
+
+
+def test_mini_batches_and_epochs_take_more_optimizer_steps():
+    groups = sampled_groups(behaviour_seed=1)
+
+    def run(extra: str) -> Learner:
+        cfg = parse_config(
+            "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+            f"learner: {{optimizer: {{lr: 1.0e-3}}, loss: {{name: rec-oneside-is}}{extra}}}\n"
+        )
+        learner = new_learner(cfg)
+        learner.step(groups)
+        return learner
+
+    one, minis, epochs = run(""), run(", mini_batches: 2"), run(", epochs: 3")
+    assert (one.version, minis.version, epochs.version) == (1, 2, 3)
+    first = next(one.model.parameters())
+    assert not torch.equal(first, next(minis.model.parameters()))
+    assert not torch.equal(first, next(epochs.model.parameters()))
+
+
+def test_bfloat16_learner_syncs_int16_views_that_engines_load_exactly():
+    from staleflow.actors.models import load_model
+
+    cfg = parse_config(
+        "model: {preset: tiny, dtype: bfloat16}\nlearner: {optimizer: {lr: 1.0e-3}}\n"
+    )
+    model, tokenizer = load_model(cfg.model)
+    learner = Learner(cfg, model=model, tokenizer=tokenizer)
+    metrics = learner.step(sampled_groups(behaviour_seed=1))
+    assert np.isfinite(metrics["loss"])
+    arrays = learner.state_dict_for_sync()
+    assert {a.dtype for a in arrays.values()} == {np.dtype(np.int16)}
+    target, _ = load_model(cfg.model)
+    engine = HFEngine(target, tokenizer)
+    engine.load_weights(arrays, version=1)
+    for name, p in learner.model.state_dict().items():
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(engine.model.state_dict()[name], p), name
