@@ -12,8 +12,13 @@ leaves the previous checkpoint intact, never half a new one):
 
 Loading checks the format, every parameter's name and shape, and that the files parse, and
 raises `CheckpointError` naming the file and the problem. Only JSON and safetensors are read.
-Supported for ZeRO stage 0 (the optimizer is then the client torch AdamW); ZeRO 1-3 partition
-the optimizer state into DeepSpeed objects that cannot be stored this way yet.
+
+Optimizer state is stored as its tensors plus a JSON skeleton. Leaves that are neither (ZeRO's
+loss scaler, enums, layout tuples) are configuration, not training state: the skeleton marks
+them opaque and loading takes them from the live optimizer, which must have the same type there.
+Supported: ZeRO 0 with any number of ranks, ZeRO 1-3 with one rank (ZeRO 3 gathers the
+parameters around saving and loading). ZeRO 1-3 over several ranks, one optimizer partition per
+rank, are refused with a clear error for now.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def save_checkpoint(
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        model = {k: v.detach().cpu().contiguous() for k, v in learner.model.state_dict().items()}
+        with _gathered(learner, modify=False):
+            model = {k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()}
         save_file(_untie(model), tmp / "model.safetensors")
         tensors, skeleton = _flatten(learner.optimizer.state_dict())
         save_file(tensors, tmp / "optimizer.safetensors")
@@ -60,6 +66,7 @@ def save_checkpoint(
         numpy_state: Any = np.random.get_state()  # noqa: NPY002
         trainer = {
             "format": FORMAT,
+            "zero_stage": learner.cfg.learner.zero_stage,
             "steps": learner.steps,
             "scheduler": learner.scheduler.state_dict(),
             "optimizer": skeleton,
@@ -97,26 +104,43 @@ def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any
         raise CheckpointError(
             f"{path}: checkpoint format {trainer.get('format')!r}, this build reads {FORMAT}"
         )
+    stage = learner.cfg.learner.zero_stage
+    if trainer.get("zero_stage") != stage:
+        raise CheckpointError(
+            f"{path}: incompatible: written at ZeRO stage {trainer.get('zero_stage')}, this "
+            f"learner runs stage {stage} (optimizer states differ between stages)"
+        )
     model = _read_safetensors(path / "model.safetensors", load_file)
-    current = learner.model.state_dict()
-    for name, tensor in current.items():
-        if name not in model and not _is_tied(name, current):
+    with _gathered(learner, modify=False):  # full shapes, also under ZeRO 3
+        current = learner.model.state_dict()
+        shapes = {name: tuple(t.shape) for name, t in current.items()}
+        tied = {name for name in current if _is_tied(name, current)}
+    for name, shape in shapes.items():
+        if name not in model and name not in tied:
             raise CheckpointError(f"{path}: incompatible: parameter {name!r} is missing")
-        if name in model and tuple(model[name].shape) != tuple(tensor.shape):
+        if name in model and tuple(model[name].shape) != shape:
             raise CheckpointError(
                 f"{path}: incompatible: parameter {name!r} has shape {tuple(model[name].shape)}, "
-                f"the model has {tuple(tensor.shape)}"
+                f"the model has {shape}"
             )
-    unknown = sorted(set(model) - set(current))
+    unknown = sorted(set(model) - set(shapes))
     if unknown:
         raise CheckpointError(f"{path}: incompatible: unknown parameters {unknown[:5]}")
     optimizer = _unflatten(
-        trainer["optimizer"], _read_safetensors(path / "optimizer.safetensors", load_file)
+        trainer["optimizer"],
+        _read_safetensors(path / "optimizer.safetensors", load_file),
+        learner.optimizer.state_dict(),
     )
     rng = _read_safetensors(path / "rng.safetensors", load_file)
     try:
-        learner.model.load_state_dict(model, strict=False)
-        learner.optimizer.load_state_dict(optimizer)
+        with _gathered(learner, modify=True):
+            learner.model.load_state_dict(model, strict=False)
+        if learner.cfg.learner.zero_stage == 0:
+            learner.optimizer.load_state_dict(optimizer)
+        else:  # DeepSpeed's ZeRO optimizers take one state per rank and own fp32 copies
+            learner.optimizer.load_state_dict(
+                [optimizer], load_optimizer_states=True, load_from_fp32_weights=True
+            )
         learner.scheduler.load_state_dict(trainer["scheduler"])
         python_state = trainer["rng"]["python"]
         random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
@@ -125,7 +149,7 @@ def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any
             (numpy_state[0], np.array(numpy_state[1], dtype=np.uint32), *numpy_state[2:])
         )
         torch.set_rng_state(rng["torch_cpu"])
-    except (KeyError, ValueError, TypeError, RuntimeError) as exc:
+    except (KeyError, ValueError, TypeError, RuntimeError, AssertionError) as exc:
         raise CheckpointError(f"{path}: cannot restore the training state: {exc}") from exc
     learner.steps = int(trainer["steps"])
     extra: dict[str, Any] = trainer.get("extra", {})
@@ -143,11 +167,24 @@ def export_hf(learner: Any, tokenizer: Any, path: str | Path) -> Path:
 # ----------------------------------------------------------------------------- internals
 
 
+def _gathered(learner: Any, modify: bool) -> Any:
+    """Under ZeRO 3, make the full parameters visible (and, with `modify`, write back)."""
+    import contextlib
+
+    if learner.cfg.learner.zero_stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    params = list(learner.model.parameters())
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
+
+
 def _check_supported(learner: Any) -> None:
-    if learner.cfg.learner.zero_stage != 0:
+    stage, ranks = learner.cfg.learner.zero_stage, getattr(learner, "world_size", 1)
+    if stage > 0 and ranks > 1:
         raise CheckpointError(
-            f"checkpoints support ZeRO stage 0 for now (learner.zero_stage is "
-            f"{learner.cfg.learner.zero_stage}); export_hf works at any stage"
+            f"checkpoints support ZeRO 0 on any number of ranks and ZeRO 1-3 on one rank for "
+            f"now (learner.zero_stage is {stage}, {ranks} ranks); export_hf works at any stage"
         )
 
 
@@ -189,24 +226,43 @@ def _flatten(obj: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
         return tensors, {"__list__": items, "__tuple__": isinstance(obj, tuple)}
     if obj is None or isinstance(obj, bool | int | float | str):
         return {}, obj
-    raise CheckpointError(f"cannot store optimizer state of type {type(obj).__name__} at {prefix}")
+    return {}, {"__opaque__": type(obj).__name__}  # configuration: taken from the live optimizer
 
 
-def _unflatten(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _unflatten(
+    skeleton: Any, tensors: dict[str, torch.Tensor], current: Any, path: str = ""
+) -> Any:
+    """Rebuild the state from `skeleton` and `tensors`; opaque leaves come from `current`
+    (the live optimizer's state dict at the same path)."""
     if isinstance(skeleton, dict):
         if "__tensor__" in skeleton:
             key = skeleton["__tensor__"]
             if key not in tensors:
                 raise CheckpointError(f"optimizer.safetensors lacks {key!r}")
             return tensors[key]
+        if "__opaque__" in skeleton:
+            if type(current).__name__ != skeleton["__opaque__"]:
+                raise CheckpointError(
+                    f"incompatible optimizer: {path} was a {skeleton['__opaque__']}, the live "
+                    f"optimizer has {type(current).__name__} (different ZeRO settings?)"
+                )
+            return current
         if "__dict__" in skeleton:
             as_int = skeleton.get("__int_keys__", False)
-            return {
-                (int(k) if as_int else k): _unflatten(v, tensors)
-                for k, v in skeleton["__dict__"].items()
-            }
+            live = current if isinstance(current, dict) else {}
+            out = {}
+            for k, v in skeleton["__dict__"].items():
+                key = int(k) if as_int else k
+                out[key] = _unflatten(v, tensors, live.get(key), f"{path}/{k}")
+            return out
         if "__list__" in skeleton:
-            items = [_unflatten(v, tensors) for v in skeleton["__list__"]]
+            live_items = list(current) if isinstance(current, list | tuple) else []
+            items = [
+                _unflatten(
+                    v, tensors, live_items[i] if i < len(live_items) else None, f"{path}[{i}]"
+                )
+                for i, v in enumerate(skeleton["__list__"])
+            ]
             return tuple(items) if skeleton.get("__tuple__") else items
     return skeleton
 
