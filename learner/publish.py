@@ -19,6 +19,7 @@ Every publish reports its wall time and bytes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -43,6 +44,7 @@ __all__ = [
 ]
 
 Arrays = Mapping[str, np.ndarray]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ class PublishStats:
     seconds: float
     bytes: int
     buckets: int
+
+    def log(self, method: str) -> PublishStats:
+        logger.info(
+            "published weights v%d via %s: %.1f MB in %d bucket(s), %.3f s (%.2f GB/s)",
+            self.version, method, self.bytes / 1e6, self.buckets, self.seconds,
+            self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf"),
+        )  # fmt: skip
+        return self
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,7 @@ class RayPublisher:
         stats = PublishStats(
             version, time.perf_counter() - start, sum(a.nbytes for a in arrays.values()), len(refs)
         )
-        return RayWeights(version, refs, stats)
+        return RayWeights(version, refs, stats.log("ray"))
 
 
 class CheckpointPublisher:
@@ -137,7 +147,7 @@ class CheckpointPublisher:
         stats = PublishStats(
             version, time.perf_counter() - start, sum(a.nbytes for a in arrays.values()), 1
         )
-        return CheckpointWeights(version, str(final), stats)
+        return CheckpointWeights(version, str(final), stats.log("checkpoint"))
 
 
 def read_published(
@@ -214,12 +224,13 @@ class BroadcastPublisher:
         for bucket in buckets:
             flat, _ = flatten_bucket(bucket)
             dist.broadcast(flat.to(self.device), src=self.src, group=self.group)
-        return PublishStats(
+        stats = PublishStats(
             version,
             time.perf_counter() - start,
             sum(a.nbytes for a in arrays.values()),
             len(buckets),
         )
+        return stats.log("broadcast")
 
     def receive_bucket(
         self, layout: list[tuple[str, tuple[int, ...], str]]

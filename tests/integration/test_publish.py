@@ -81,6 +81,16 @@ def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redi
     ray.kill(actor)
 
 
+def test_publish_time_is_logged(tmp_path, caplog):
+    import logging
+
+    arrays = {"w": np.ones((256, 256), np.float32)}
+    with caplog.at_level(logging.INFO, logger="staleflow.learner.publish"):
+        CheckpointPublisher(tmp_path).publish(arrays, version=4)
+    (record,) = caplog.records
+    assert "published weights v4 via checkpoint: 0.3 MB in 1 bucket(s)" in record.getMessage()
+
+
 def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path):
     learner = trained_learner()
     publisher = CheckpointPublisher(tmp_path / "weights", keep=2)
