@@ -1,0 +1,61 @@
+"""The lock-step schedule against the cases worked out in docs/algorithms.md section 6."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.cluster.schedule import lag, rollout_version
+
+
+def lags(interval: int, offset: int, steps: int) -> list[int]:
+    return [lag(t, interval, offset) for t in range(1, steps + 1)]
+
+
+def test_strictly_on_policy():
+    # I=1, O=0: every batch uses the weights of the step before it -> lag 0
+    assert lags(1, 0, 6) == [0, 0, 0, 0, 0, 0]
+
+
+def test_one_step_off_policy():
+    # I=1, O=1: batch 1 from v0 (lag 0), then batch t from v(t-2) -> lag 1
+    assert lags(1, 1, 6) == [0, 1, 1, 1, 1, 1]
+
+
+def test_sync_interval_20_cycles_0_to_19():
+    # I=20, O=0: v = 20 * floor((t-1)/20): steps 1..20 use v0 (lags 0..19), 21..40 use v20
+    assert lags(20, 0, 45) == list(range(20)) + list(range(20)) + [0, 1, 2, 3, 4]
+
+
+def test_sync_offset_10_is_a_constant_lag_of_10():
+    # I=1, O=10: v = max(0, t - 11): lags 0..9 while rollout runs ahead, then 10 for good
+    assert lags(1, 10, 15) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10, 10, 10, 10]
+
+
+def test_interval_4_offset_1():
+    # v(t) = 4 * max(0, floor((t - 2) / 4)): t=1..5 -> 0, t=6..9 -> 4, t=10.. -> 8
+    assert [rollout_version(t, 4, 1) for t in range(1, 11)] == [0, 0, 0, 0, 0, 4, 4, 4, 4, 8]
+    assert lags(4, 1, 10) == [0, 1, 2, 3, 4, 1, 2, 3, 4, 1]
+
+
+def test_offline_when_the_offset_covers_the_run():
+    # O >= total steps: every batch comes from the initial policy
+    assert [rollout_version(t, 1, 100) for t in range(1, 51)] == [0] * 50
+    assert lags(1, 100, 5) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("interval", [1, 4, 20])
+@pytest.mark.parametrize("offset", [0, 1, 10])
+def test_versions_only_grow_and_are_multiples_of_the_interval(interval, offset):
+    versions = [rollout_version(t, interval, offset) for t in range(1, 100)]
+    assert versions == sorted(versions)
+    assert all(v % interval == 0 for v in versions)
+    assert all(
+        0 <= lag(t, interval, offset) <= max(interval - 1, 0) + offset for t in range(1, 100)
+    )
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="numbered from 1"):
+        rollout_version(0, 1, 0)
+    with pytest.raises(ValueError, match="interval >= 1"):
+        rollout_version(3, 0, 0)
