@@ -9,6 +9,7 @@ one version, the one it is tagged with.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import statistics
 import time
@@ -106,8 +107,7 @@ class RolloutWorker:
     def load_published(self, handle: Any) -> int:
         """Install weights published by the learner (a `RayWeights` or `CheckpointWeights`
         from staleflow.learner.publish), fetching them bucket by bucket."""
-        self.engine.load_weights(handle.arrays(), handle.version)
-        return self.engine.version
+        return self.load_weights(handle.arrays(), handle.version)
 
     def next_prompts(self, n: int) -> list[Prompt]:
         return list(itertools.islice(self._prompts, n))
@@ -183,13 +183,8 @@ class RolloutWorker:
         n = n_prompts if n_prompts is not None else self.cfg.task.eval_prompts
         temp = temperature if temperature is not None else self.cfg.task.eval_temperature
         prompts = self.task.eval_prompts(n)
-        sampling = SamplingParams(
-            temperature=temp,
-            top_p=self.cfg.rollout.top_p,
-            top_k=self.cfg.rollout.top_k,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            stop=tuple(self.cfg.rollout.stop),
-            seed=self.seed + 7,
+        sampling = dataclasses.replace(
+            SamplingParams.from_config(self.cfg.rollout, seed=self.seed + 7), temperature=temp
         )
         completions = self.engine.generate([self.encode_prompt(p) for p in prompts], 1, sampling)
         scores = [self.task.score(p, c[0].text) for p, c in zip(prompts, completions, strict=True)]

@@ -54,6 +54,14 @@ class PublishStats:
     bytes: int
     buckets: int
 
+    @classmethod
+    def measure(
+        cls, version: int, start: float, arrays: Arrays, buckets: int, method: str
+    ) -> PublishStats:
+        """The stats of a publish that began at `start` (perf_counter), logged."""
+        nbytes = sum(a.nbytes for a in arrays.values())
+        return cls(version, time.perf_counter() - start, nbytes, buckets).log(method)
+
     def log(self, method: str) -> PublishStats:
         logger.info(
             "published weights v%d via %s: %.1f MB in %d bucket(s), %.3f s (%.2f GB/s)",
@@ -116,10 +124,9 @@ class RayPublisher:
         start = time.perf_counter()
         buckets = bucketize(arrays, self.bucket_bytes)
         refs = [ray.put(bucket) for bucket in buckets]
-        stats = PublishStats(
-            version, time.perf_counter() - start, sum(a.nbytes for a in arrays.values()), len(refs)
+        return RayWeights(
+            version, refs, PublishStats.measure(version, start, arrays, len(refs), "ray")
         )
-        return RayWeights(version, refs, stats.log("ray"))
 
 
 class CheckpointPublisher:
@@ -144,10 +151,8 @@ class CheckpointPublisher:
         _fsync_rename(latest_tmp, self.directory / "LATEST")
         for old in sorted(self.directory.glob("weights-v*.safetensors"))[: -self.keep]:
             old.unlink(missing_ok=True)
-        stats = PublishStats(
-            version, time.perf_counter() - start, sum(a.nbytes for a in arrays.values()), 1
-        )
-        return CheckpointWeights(version, str(final), stats.log("checkpoint"))
+        stats = PublishStats.measure(version, start, arrays, 1, "checkpoint")
+        return CheckpointWeights(version, str(final), stats)
 
 
 def read_published(
@@ -224,13 +229,7 @@ class BroadcastPublisher:
         for bucket in buckets:
             flat, _ = flatten_bucket(bucket)
             dist.broadcast(flat.to(self.device), src=self.src, group=self.group)
-        stats = PublishStats(
-            version,
-            time.perf_counter() - start,
-            sum(a.nbytes for a in arrays.values()),
-            len(buckets),
-        )
-        return stats.log("broadcast")
+        return PublishStats.measure(version, start, arrays, len(buckets), "broadcast")
 
     def receive_bucket(
         self, layout: list[tuple[str, tuple[int, ...], str]]
