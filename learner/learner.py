@@ -208,21 +208,7 @@ class Learner:
         for i, part in enumerate(parts):
             micro = batch.rows(part)
             t0 = time.perf_counter()
-            logp = response_logprobs(self.engine, micro, self.temperature)
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = response_logprobs(self.reference, micro, self.temperature)
-            out = self.loss_fn(
-                LossInputs(
-                    logp=logp,
-                    behavior_logp=micro.behavior_logp,
-                    advantages=micro.advantages,
-                    mask=micro.response_mask,
-                    ref_logp=ref_logp,
-                    denominator=denominator,
-                )
-            )
+            logp, out = self._loss(micro, denominator)
             t1 = time.perf_counter()
             self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
             self.engine.backward(out.loss * scale)
@@ -265,6 +251,25 @@ class Learner:
         self.steps += 1
         return total, norm
 
+    def _loss(self, batch: TrainBatch, denominator: Tensor | None = None) -> tuple[Tensor, Any]:
+        """The preset's loss on `batch` with the current weights: (logp, LossOutputs)."""
+        logp = response_logprobs(self.engine, batch, self.temperature)
+        ref_logp = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logp = response_logprobs(self.reference, batch, self.temperature)
+        out = self.loss_fn(
+            LossInputs(
+                logp=logp,
+                behavior_logp=batch.behavior_logp,
+                advantages=batch.advantages,
+                mask=batch.response_mask,
+                ref_logp=ref_logp,
+                denominator=denominator,
+            )
+        )
+        return logp, out
+
     # ------------------------------------------------------------------------- persistence
 
     def save(self, path: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> None:
@@ -285,11 +290,7 @@ class Learner:
     def evaluate_loss(self, groups: Sequence[Group]) -> float:
         """The loss on `groups` with the current weights, without training."""
         batch = build_batch(groups, self.cfg.learner.loss.advantage, self.pad_id, seed=0)
-        logp = response_logprobs(self.engine, batch, self.temperature)
-        out = self.loss_fn(
-            LossInputs(logp, batch.behavior_logp, batch.advantages, batch.response_mask)
-        )
-        return float(out.loss)
+        return float(self._loss(batch)[1].loss)
 
     def state_dict_for_sync(self) -> dict[str, np.ndarray]:
         """The full weights as numpy arrays (bfloat16 as int16 views), for `load_weights`.

@@ -263,3 +263,29 @@ def test_bfloat16_learner_syncs_int16_views_that_engines_load_exactly():
     for name, p in learner.model.state_dict().items():
         assert p.dtype == torch.bfloat16
         assert torch.equal(engine.model.state_dict()[name], p), name
+
+
+def test_evaluate_loss_includes_the_reference_kl_term():
+    cfg = parse_config(
+        "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+        "learner: {reference_model: true, optimizer: {lr: 1.0e-2}, "
+        "loss: {name: reinforce, kl_coef: 5.0, kl_estimator: k2}}\n"
+    )
+    learner = new_learner(cfg)
+    groups = sampled_groups(behaviour_seed=0)
+    at_start = learner.evaluate_loss(groups)  # the policy is the reference: KL term 0
+    learner.step(groups)
+    learner.step(groups)
+    moved = learner.evaluate_loss(groups)
+    # two steps away from the reference, the loss is the policy loss plus 5 x the k2 KL to it
+    batch = build_batch(groups, cfg.learner.loss.advantage, learner.pad_id, seed=0)
+    with torch.no_grad():
+        logp = response_logprobs(learner.model, batch, 0.9)
+        ref = response_logprobs(learner.reference, batch, 0.9)
+    pg = get_loss("reinforce")(
+        LossInputs(logp, batch.behavior_logp, batch.advantages, batch.response_mask)
+    )
+    k2 = 0.5 * ((ref - logp) ** 2 * batch.response_mask).sum() / batch.response_mask.sum()
+    assert moved == pytest.approx(float(pg.loss) + 5.0 * float(k2), rel=1e-5)
+    assert float(k2) > 0
+    assert np.isfinite(at_start)
