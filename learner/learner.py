@@ -68,12 +68,25 @@ def ensure_distributed(rank: int = 0, world_size: int = 1) -> None:
 
 
 def response_logprobs(model: Any, batch: TrainBatch, temperature: float) -> Tensor:
-    """[N, L - 1] log pi(target) at `temperature`, for every target position."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    """[N, L - 1] log pi(target) at `temperature`, for every target position.
+
+    Logits are computed only from the first response target on (HF `logits_to_keep`): with a
+    large vocabulary the prompt's logits would cost as much as the rest of the model. Earlier
+    positions are zeros; the response mask never selects them."""
+    n, length = batch.input_ids.shape
+    columns = batch.response_mask.any(dim=0).nonzero()
+    first = int(columns[0]) if len(columns) else length - 1
+    keep = length - first  # logits at positions first..L-1; the last one predicts nothing
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, logits_to_keep=keep
+    ).logits
     logits = logits[:, :-1].float() / temperature
-    targets = batch.input_ids[:, 1:]
+    targets = batch.input_ids[:, first + 1 :]
     taken: Tensor = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return taken - torch.logsumexp(logits, dim=-1)
+    logp = taken - torch.logsumexp(logits, dim=-1)
+    if first == 0:
+        return logp
+    return torch.cat([logp.new_zeros(n, first), logp], dim=1)
 
 
 class Learner:

@@ -289,3 +289,21 @@ def test_evaluate_loss_includes_the_reference_kl_term():
     assert moved == pytest.approx(float(pg.loss) + 5.0 * float(k2), rel=1e-5)
     assert float(k2) > 0
     assert np.isfinite(at_start)
+
+
+def test_response_logprobs_skips_prompt_logits_without_changing_response_values():
+    # The learner computes logits only from the first response target on; on every masked
+    # position the values must equal a plain full-logit log-softmax.
+    cfg = config("reinforce")
+    groups = sampled_groups(behaviour_seed=0)
+    model, tokenizer = tiny_model(0)
+    batch = build_batch(groups, cfg.learner.loss.advantage, tokenizer.pad_token_id, seed=0)
+    with torch.no_grad():
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        full = torch.log_softmax(full[:, :-1].float() / 0.9, dim=-1)
+        expected = full.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        got = response_logprobs(model, batch, 0.9)
+    mask = batch.response_mask.bool()
+    assert got.shape == expected.shape
+    assert bool(mask[:, 0].logical_not().all())  # prompts exist, so trimming really happens
+    torch.testing.assert_close(got[mask], expected[mask], rtol=0, atol=1e-5)
