@@ -4,11 +4,12 @@
     prompt = next(task.train_prompts())
     score = task.score(prompt, "The answer is 7.")   # Score(reward=1.0, parsed=True, ...)
 
-Built in: `arithmetic` (seeded a+b, a-b, a*b), `gsm8k` (local JSONL), `reasoning_gym:<name>`
-(any reasoning-gym dataset, optional extra) and `custom` (prompts from a JSONL file, reward from
-an import path). Rewards never raise on strange model output: they return 0 with
-`parsed=False`, which the rollout worker counts. Held-out evaluation prompts are disjoint from
-training prompts: arithmetic and gsm8k split by a hash of the problem, reasoning-gym by seed.
+Built in: `arithmetic` (seeded a+b, a-b, a*b), `digits` (a toy reward for smoke tests),
+`gsm8k` (local JSONL), `reasoning_gym:<name>` (any reasoning-gym dataset, optional extra) and
+`custom` (prompts from a JSONL file, reward from an import path). Rewards never raise on strange
+model output: they return 0 with `parsed=False`, which the rollout worker counts. Held-out
+evaluation prompts are disjoint from training prompts: arithmetic and gsm8k split by a hash of
+the problem, reasoning-gym by seed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any, Protocol
 __all__ = [
     "ArithmeticTask",
     "CustomTask",
+    "DigitsTask",
     "GSM8KTask",
     "Prompt",
     "ReasoningGymTask",
@@ -201,6 +203,29 @@ class ArithmeticTask:
         if self.format_reward and re.fullmatch(r"\s*-?\d+\s*\.?\s*", response):
             reward += self.format_reward
         return Score(reward, parsed=True, extracted=f"{value:g}")
+
+
+class DigitsTask:
+    """A toy task for smoke tests and the tiny model: arithmetic prompts, reward = the share of
+    the response's non-space characters that are digits. Even a random model earns partial
+    reward, so RL has signal from the first step; accuracy counts all-digit responses."""
+
+    def __init__(self, seed: int = 0, chat_template: bool = False) -> None:
+        self._prompts = ArithmeticTask(1, ("+",), 0.0, seed, chat_template)
+        self.name = "digits"
+        self.chat_template = chat_template
+
+    def train_prompts(self) -> Iterator[Prompt]:
+        return self._prompts.train_prompts()
+
+    def eval_prompts(self, n: int) -> list[Prompt]:
+        return self._prompts.eval_prompts(n)
+
+    def score(self, prompt: Prompt, response: str) -> Score:
+        chars = [c for c in response if not c.isspace()]
+        if not chars:
+            return Score(0.0, parsed=False)
+        return Score(sum(c in "0123456789" for c in chars) / len(chars), parsed=True)
 
 
 # ----------------------------------------------------------------------------- gsm8k
@@ -390,6 +415,8 @@ def make_task(cfg: Any) -> Task:
         return ArithmeticTask(
             cfg.difficulty, tuple(cfg.operations), cfg.format_reward, cfg.seed, cfg.chat_template
         )
+    if cfg.name == "digits":
+        return DigitsTask(cfg.seed, cfg.chat_template)
     if cfg.name == "gsm8k":
         return GSM8KTask(cfg.path, cfg.eval_path, cfg.seed, cfg.chat_template)
     if cfg.name == "custom":

@@ -4,6 +4,10 @@
     staleflow config CONFIG [section.key=value ...]   validate a run config, print it resolved
     staleflow losses [NAME]                            list loss presets and their defaults
     staleflow buffer stats (--redis-url URL | --run-dir DIR) --run RUN [--json]
+    staleflow train CONFIG [section.key=value ...] [--workers N] [--address ADDR]
+    staleflow eval (RUN_DIR | MODEL_DIR) [--task NAME] [--prompts N] [--temperature T]
+    staleflow report RUN_DIR
+    staleflow scale RUN_DIR --workers N
 
 Heavy dependencies (Ray, DeepSpeed, transformers) are imported inside the subcommands that need
 them, so `--help` stays fast.
@@ -17,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 
 def _version() -> str:
@@ -121,7 +126,69 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--run", help="run name (default: the run directory's name)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_cmd_buffer_stats)
+    _add_run_commands(sub)
     return parser
+
+
+def _lazy(name: str) -> Any:
+    """A subcommand implemented in cluster/commands.py, imported only when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        from staleflow.cluster import commands
+
+        return int(getattr(commands, name)(args))
+
+    return run
+
+
+def _add_run_commands(sub: Any) -> None:
+    from staleflow.cluster.commands import config_keys_help
+
+    train = sub.add_parser(
+        "train",
+        help="train: rollout workers + replay buffer + learner on a local or existing Ray cluster",
+        description="Start (or join) Ray, an embedded Redis unless buffer.redis_url is set, the "
+        "rollout workers and the DeepSpeed learner, and train on the config's schedule. Writes "
+        "the run directory <run.output_dir>/<run.name>. Ctrl-C stops cleanly (checkpoint, "
+        "summary, report); a second Ctrl-C stops at once.",
+        epilog=config_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
+    train.add_argument("--workers", type=int, help="rollout workers (rollout.num_workers)")
+    train.add_argument(
+        "--address",
+        help="join an existing Ray cluster: 'auto' or ray://host:10001 (default: start a "
+        "local one)",
+    )
+    train.set_defaults(func=_lazy("cmd_train"))
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="held-out accuracy of a run's latest checkpoint or of a model directory",
+    )
+    evaluate.add_argument("target", help="a run directory or a Hugging Face model directory")
+    evaluate.add_argument("overrides", nargs="*", help="dotted config overrides")
+    evaluate.add_argument("--task", help="task name (default: the run's task, or arithmetic)")
+    evaluate.add_argument("--prompts", type=int, help="held-out prompts (task.eval_prompts)")
+    evaluate.add_argument(
+        "--temperature", type=float, help="sampling temperature (task.eval_temperature)"
+    )
+    evaluate.add_argument("--json", action="store_true", help="print one JSON object")
+    evaluate.set_defaults(func=_lazy("cmd_eval"))
+
+    report = sub.add_parser("report", help="(re)build a run's report.html and plots")
+    report.add_argument("run_dir", help="a run directory, e.g. runs/quickstart-20261122-101500")
+    report.set_defaults(func=_lazy("cmd_report"))
+
+    scale = sub.add_parser("scale", help="change the number of rollout workers of a running job")
+    scale.add_argument("run_dir", help="the running job's run directory")
+    scale.add_argument("--workers", type=int, required=True, help="new number of workers")
+    scale.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for the driver to confirm"
+    )
+    scale.set_defaults(func=_lazy("cmd_scale"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,7 +28,7 @@ __all__ = [
     "TaskConfig",
 ]
 
-_TASK_NAME = re.compile(r"^(arithmetic|gsm8k|custom|reasoning_gym:[A-Za-z0-9_]+)$")
+_TASK_NAME = re.compile(r"^(arithmetic|digits|gsm8k|custom|reasoning_gym:[A-Za-z0-9_]+)$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -61,7 +61,7 @@ class TaskConfig(Frozen):
 
     name: str = Field(
         "arithmetic",
-        description="arithmetic | gsm8k | custom | reasoning_gym:<dataset>.",
+        description="arithmetic | digits (toy) | gsm8k | custom | reasoning_gym:<dataset>.",
     )
     difficulty: int = Field(1, ge=1, le=6, description="Arithmetic: digits per operand.")
     operations: tuple[Literal["+", "-", "*"], ...] = Field(
@@ -91,7 +91,7 @@ class TaskConfig(Frozen):
     def _known_task(cls, name: str) -> str:
         if not _TASK_NAME.match(name):
             raise ValueError(
-                f"unknown task {name!r}; valid: arithmetic, gsm8k, custom, "
+                f"unknown task {name!r}; valid: arithmetic, digits, gsm8k, custom, "
                 "reasoning_gym:<dataset> (e.g. reasoning_gym:basic_arithmetic)"
             )
         return name

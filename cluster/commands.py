@@ -1,0 +1,199 @@
+"""The heavy subcommands of the CLI: train, eval, report, scale (see cluster/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["cmd_eval", "cmd_report", "cmd_scale", "cmd_train", "config_keys_help"]
+
+
+def config_keys_help() -> str:
+    """Every dotted config key with its description and default, from the schema."""
+    from pydantic import BaseModel
+
+    from staleflow.configs.schema import RunConfig
+
+    lines = ["config keys (override any as section.key=value):"]
+    for section, info in RunConfig.model_fields.items():
+        model = info.annotation
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            continue
+        lines.append(f"  {section}: {info.description}")
+        for key, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                lines.append(f"    {section}.{key}.*  {field.description}")
+                continue
+            default = (
+                "" if field.is_required() else f" [{field.get_default(call_default_factory=True)}]"
+            )
+            lines.append(f"    {section}.{key}  {field.description}{default}")
+    lines.append("  learner.loss.*: see `staleflow losses` for each preset's parameters")
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from staleflow.cluster.driver import Driver, check_schedule
+    from staleflow.cluster.progress import Progress
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    if args.workers is not None:
+        overrides.append(f"rollout.num_workers={args.workers}")
+    try:
+        cfg = load_config(args.config, overrides)
+        name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+        check_schedule(cfg)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    run = RunDir(Path(cfg.run.output_dir) / name)
+    if run.config.exists():
+        return _fail(
+            f"{run.path} already holds a run; choose another run.name=... or remove the directory"
+        )
+    run = RunDir.create(cfg.run.output_dir, name)
+    handler = run.attach_log()
+    logging.getLogger("staleflow").addHandler(_stderr_warnings())
+    print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)
+    try:
+        summary = Driver(
+            cfg, run, address=args.address, progress=Progress(name, cfg.run.log_every)
+        ).run()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    _print_summary(run, summary)
+    return (
+        0 if summary["status"] == "completed" else 130 if summary["status"] == "interrupted" else 1
+    )
+
+
+def _stderr_warnings() -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    return handler
+
+
+def _print_summary(run: Any, summary: dict[str, Any]) -> None:
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    groups = summary.get("groups", {})
+    lines = [
+        f"run {summary['run_id']}: {summary['status']} after {summary['steps']} steps "
+        f"in {summary.get('wall_s', 0) / 60:.1f} min",
+    ]
+    if before is not None and after is not None:
+        lines.append(
+            f"held-out accuracy: {before:.3f} before -> {after:.3f} after ({after - before:+.3f})"
+        )
+    if groups:
+        lines.append(
+            f"groups: pushed {groups['pushed']} = trained {groups['trained']} + stale "
+            f"{groups['dropped_stale']} + invalid {groups['dropped_invalid']} + left "
+            f"{groups['left_in_buffer']} ({'reconciled' if groups['reconciled'] else 'MISMATCH'})"
+        )
+    lines.append(f"report: {run.report}")
+    print("\n".join(lines))
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from staleflow.cluster.report import write_report
+    from staleflow.cluster.rundir import RunDir
+
+    try:
+        run = RunDir(args.run_dir).check_exists()
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
+    print(write_report(run))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from staleflow.cluster.rundir import RunDir
+
+    try:
+        run = RunDir(args.run_dir).check_exists()
+    except FileNotFoundError as exc:
+        return _fail(str(exc))
+    status = json.loads(run.status.read_text()) if run.status.is_file() else {}
+    if status.get("state") not in ("starting", "running"):
+        return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
+    run.request_workers(args.workers)
+    deadline = time.time() + args.timeout
+    while time.time() < deadline:
+        time.sleep(0.5)
+        status = json.loads(run.status.read_text())
+        if status.get("workers") == args.workers and not (run.control / "scale.json").exists():
+            print(f"run {run.path.name}: {args.workers} rollout workers")
+            return 0
+    return _fail(
+        f"the driver did not confirm {args.workers} workers within {args.timeout:.0f} s; the "
+        f"request stays in {run.control} and is applied at the driver's next event"
+    )
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from staleflow.actors.worker import RolloutWorker
+    from staleflow.configs import ConfigError, load_config, parse_config
+
+    target = Path(args.target)
+    overrides = list(args.overrides)
+    if args.task:
+        overrides.append(f"task.name={args.task}")
+    try:
+        if (target / "config.json").is_file() and (target / "checkpoints").is_dir():
+            cfg = load_config(target / "config.json", overrides)  # a run: latest checkpoint
+            weights = _checkpoint_weights(target)
+            if weights is None:
+                print(f"note: {target} has no checkpoint yet; evaluating the initial weights")
+        elif (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+            cfg = parse_config({"model": {"path": str(target)}}, overrides)
+            weights = None
+        else:
+            return _fail(
+                f"{target} is neither a run directory (config.json) nor a Hugging Face model "
+                "directory (config.json + model.safetensors)"
+            )
+    except ConfigError as exc:
+        return _fail(str(exc))
+    worker = RolloutWorker(cfg, run_id="eval")
+    version = 0
+    if weights is not None:
+        version, arrays = weights
+        worker.load_weights(arrays, version)
+    report = worker.evaluate(args.prompts, args.temperature)
+    result = {"target": str(target), "version": version, "task": cfg.task.name, **vars(report)}
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+    return 0
+
+
+def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
+    from safetensors.torch import load_file
+
+    from staleflow.cluster.rundir import RunDir
+
+    path = RunDir(run_dir).latest_checkpoint()
+    if path is None:
+        return None
+    trainer = json.loads((path / "trainer.json").read_text())
+    arrays = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        arrays[name] = (t.view(_int16()) if str(t.dtype) == "torch.bfloat16" else t).numpy()
+    return int(trainer["steps"]), arrays
+
+
+def _int16() -> Any:
+    import torch
+
+    return torch.int16

@@ -1,0 +1,149 @@
+"""The run report: report.html with PNG plots, built from metrics.jsonl and summary.json.
+
+`staleflow report RUN_DIR` rebuilds it at any time, also for a run that is still going or
+that crashed (metrics are flushed line by line).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from staleflow.cluster.rundir import RunDir, read_metrics
+
+__all__ = ["write_report"]
+
+PLOTS = (
+    ("reward", "Reward of the trained groups"),
+    ("accuracy", "Held-out accuracy"),
+    ("lag", "Policy lag of the trained groups"),
+    ("clip_kl", "Clip fraction and KL(behaviour || policy)"),
+    ("throughput", "Throughput"),
+    ("busy", "Busy fractions"),
+)
+
+
+def write_report(run: RunDir) -> Path:
+    """Write plots/*.png and report.html; returns the report's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = list(read_metrics(run.metrics))
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    run.plots.mkdir(exist_ok=True)
+
+    def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+        rows = [r for r in rows if isinstance(r.get(key), (int, float))]
+        return [r["step"] for r in rows], [r[key] for r in rows]
+
+    def wall(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+        rows = [r for r in rows if isinstance(r.get(key), (int, float)) and "wall_s" in r]
+        return [r["wall_s"] / 60 for r in rows], [r[key] for r in rows]
+
+    def pair(name: str, rows: list[dict[str, Any]], key: str, ylabel: str) -> None:
+        fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.5))
+        by_step.plot(*series(rows, key), marker="o" if len(rows) < 40 else None)
+        by_time.plot(*wall(rows, key), marker="o" if len(rows) < 40 else None)
+        by_step.set_xlabel("learner step")
+        by_time.set_xlabel("wall time (min)")
+        for ax in (by_step, by_time):
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        _save(fig, run.plots / f"{name}.png")
+
+    pair("reward", steps, "reward_mean", "mean reward")
+    pair("accuracy", evals, "accuracy", "accuracy (sampled)")
+
+    fig, (hist, over) = plt.subplots(1, 2, figsize=(10, 3.5))
+    lags: Counter[int] = Counter()
+    for r in steps:  # every group of a lockstep step has the same lag; async: mean per step
+        lags[round(r.get("lag_mean", 0))] += int(r.get("groups", 1))
+    if lags:
+        hist.bar(list(lags), list(lags.values()))
+    hist.set_xlabel("lag (versions)")
+    hist.set_ylabel("groups")
+    for key in ("lag_min", "lag_mean", "lag_max", "lag_expected"):
+        x, y = series(steps, key)
+        if x:
+            over.plot(x, y, label=key, linestyle="--" if key == "lag_expected" else "-")
+    over.set_xlabel("learner step")
+    over.legend()
+    _save(fig, run.plots / "lag.png")
+
+    fig, (clip, kl) = plt.subplots(1, 2, figsize=(10, 3.5))
+    clip.plot(*series(steps, "clip_frac"))
+    clip.set_ylabel("clip fraction")
+    kl.plot(*series(steps, "approx_kl"))
+    kl.set_ylabel("approx KL(mu || pi)")
+    for ax in (clip, kl):
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+    _save(fig, run.plots / "clip_kl.png")
+
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    ax.plot(*series(steps, "tokens_per_s"), label="learner (trained tokens/s)")
+    x, y = series(rollouts, "tokens_per_s")
+    ax.plot(x, y, ".", label="rollout batch (generated tokens/s, per worker)")
+    ax.set_xlabel("learner step")
+    ax.legend()
+    _save(fig, run.plots / "throughput.png")
+
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    for key in ("learner_busy", "rollout_busy"):
+        ax.plot(*series(steps, key), label=key)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("learner step")
+    ax.legend()
+    _save(fig, run.plots / "busy.png")
+
+    summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+    config = run.config.read_text() if run.config.is_file() else "{}"
+    run.report.write_text(_html(run, summary, config, len(steps)))
+    return run.report
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _html(run: RunDir, summary: dict[str, Any], config: str, steps: int) -> str:
+    rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in summary.items()
+        if not isinstance(v, dict)
+    )
+    groups = summary.get("groups", {})
+    group_rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in groups.items()
+    )
+    figures = "".join(
+        f'<h2>{title}</h2><img src="plots/{name}.png" alt="{title}">' for name, title in PLOTS
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>staleflow run {html.escape(run.path.name)}</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 8px;text-align:left}}
+img{{max-width:100%}}</style></head><body>
+<h1>staleflow run {html.escape(run.path.name)}</h1>
+<p>{steps} learner steps recorded.</p>
+<h2>Summary</h2><table>{rows}</table>
+<h2>Groups: pushed = trained + dropped + left in the buffer</h2><table>{group_rows}</table>
+{figures}
+<h2>Config</h2><pre>{html.escape(config)}</pre>
+</body></html>
+"""
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

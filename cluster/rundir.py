@@ -1,0 +1,149 @@
+"""The run directory: everything a run leaves behind, in one place.
+
+<output_dir>/<run name>/
+    config.json          the resolved config (secrets masked)
+    metrics.jsonl        one JSON object per line: {"kind": "step" | "eval" | "rollout", ...}
+    tensorboard/         the same scalars as TensorBoard event files (run.tensorboard)
+    checkpoints/step-N/  learner checkpoints (safetensors + JSON); LATEST names the newest
+    weights/             published weights when sync.method is checkpoint
+    redis/               the embedded Redis server's data, log and address
+    logs/driver.log      the driver's log (Ray's worker logs stay in Ray's session dir)
+    summary.json         totals, reconciliation of the groups, before/after accuracy
+    status.json          live state for `staleflow scale` and monitoring
+    control/             requests to the running driver (`staleflow scale` writes here)
+    report.html, plots/  the report (`staleflow report RUN_DIR` rebuilds it)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MetricsWriter", "RunDir", "read_metrics", "write_json"]
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write atomically: a reader sees the old file or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy / torch scalars
+        return value.item()
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+class RunDir:
+    """Paths of one run directory (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    @classmethod
+    def create(cls, output_dir: str, name: str) -> RunDir:
+        run = cls(Path(output_dir) / name)
+        for sub in ("checkpoints", "logs", "control", "plots"):
+            (run.path / sub).mkdir(parents=True, exist_ok=True)
+        return run
+
+    def check_exists(self) -> RunDir:
+        if not self.config.is_file():
+            raise FileNotFoundError(
+                f"{self.path} is not a staleflow run directory (no config.json); pass the "
+                "directory `staleflow train` printed, e.g. runs/<name>"
+            )
+        return self
+
+    config = property(lambda self: self.path / "config.json")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    summary = property(lambda self: self.path / "summary.json")
+    status = property(lambda self: self.path / "status.json")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    tensorboard = property(lambda self: self.path / "tensorboard")
+    control = property(lambda self: self.path / "control")
+    plots = property(lambda self: self.path / "plots")
+    report = property(lambda self: self.path / "report.html")
+    log = property(lambda self: self.path / "logs" / "driver.log")
+
+    def latest_checkpoint(self) -> Path | None:
+        latest = self.checkpoints / "LATEST"
+        if not latest.is_file():
+            return None
+        path = self.checkpoints / latest.read_text().strip()
+        return path if path.is_dir() else None
+
+    def mark_latest_checkpoint(self, path: Path) -> None:
+        tmp = self.checkpoints / f".LATEST.{uuid.uuid4().hex[:8]}"
+        tmp.write_text(path.name)
+        os.replace(tmp, self.checkpoints / "LATEST")
+
+    def request_workers(self, n: int) -> Path:
+        """Ask the running driver to scale to `n` rollout workers (see Driver._poll_control)."""
+        path = self.control / "scale.json"
+        write_json(path, {"workers": n, "requested_at": time.time()})
+        return path
+
+    def take_worker_request(self) -> int | None:
+        path = self.control / "scale.json"
+        try:
+            data = json.loads(path.read_text())
+            path.unlink()
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        n = data.get("workers")
+        return n if isinstance(n, int) and n >= 1 else None
+
+    def attach_log(self) -> logging.Handler:
+        handler = logging.FileHandler(self.log)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+        logging.getLogger().setLevel(logging.INFO)
+        return handler
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl (flushed per line, so a crash keeps all but the last)
+    and mirrors numeric fields to TensorBoard as `<kind>/<key>`."""
+
+    def __init__(self, run: RunDir, tensorboard: bool) -> None:
+        self._file = run.metrics.open("a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(run.tensorboard), flush_secs=10)
+
+    def write(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
+        record = {"kind": kind, "step": step, "time": time.time(), **fields}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        if self._tb is not None:
+            for key, value in fields.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+        return record
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
+    if not path.is_file():
+        return
+    with path.open() as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue
