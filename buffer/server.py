@@ -190,6 +190,9 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            # its own process group: a terminal's Ctrl-C goes to the owner, which then stops
+            # the server after its clean shutdown needs it no more
+            start_new_session=True,
         )
         self.port = port
         deadline = time.monotonic() + self.start_timeout_s

@@ -159,8 +159,10 @@ class Driver:
 
     def _admit(self) -> bool:
         """async: would a new batch stay within max_staleness and the buffer's capacity?"""
-        consumed = self.counts.trained + self.counts.dropped_stale + self.counts.dropped_invalid
-        if self.groups_started - consumed + self.P > self.cfg.buffer.capacity:
+        dropped = self.counts.dropped_stale + self.counts.dropped_invalid
+        if self.groups_started - dropped >= self.cfg.run.steps * self.G:
+            return False  # enough for the remaining steps: no batch would be trained
+        if self.groups_started - self.counts.trained - dropped + self.P > self.cfg.buffer.capacity:
             return False
         bound = self.cfg.buffer.max_staleness
         trained_at = (self.groups_started + self.P - 1) // self.G
@@ -411,7 +413,7 @@ class Driver:
         import ray
 
         self._started_ray = not ray.is_initialized() and not self.address
-        start_ray(self.address)
+        start_ray(self.address, self.cfg)
         self.learner = LearnerGroup(self.cfg)
         self.pool = WorkerPool(self.cfg, self.run_id, url)
         for _ in range(self.cfg.rollout.num_workers):

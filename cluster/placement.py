@@ -9,6 +9,7 @@ strings.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Sequence
@@ -28,9 +29,11 @@ __all__ = ["LearnerGroup", "LearnerRank", "WorkerPool", "start_ray"]
 logger = logging.getLogger(__name__)
 
 
-def start_ray(address: str | None, num_cpus: int | None = None) -> None:
+def start_ray(address: str | None, cfg: Any = None) -> None:
     """Join the cluster at `address` ('auto', 'ray://host:port', 'host:port') or start a local
-    one on the loopback interface."""
+    one on the loopback interface. A local one gets the machine's CPUs, or what the run
+    reserves if that is more, plus `SCALE_HEADROOM` so `staleflow scale` can add workers (Ray
+    CPUs are a scheduling count: the OS shares the cores)."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -38,7 +41,14 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, **kwargs)
         return
-    ray.init(num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1", **kwargs)
+    needed = 1.0
+    if cfg is not None:
+        needed = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.learner.num_ranks
+    cpus = max(os.cpu_count() or 1, math.ceil(needed)) + SCALE_HEADROOM
+    ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)
+
+
+SCALE_HEADROOM = 4
 
 
 def _thread_env(cpus: float) -> dict[str, Any]:
@@ -166,15 +176,12 @@ class LearnerGroup:
 
     def __post_init__(self) -> None:
         learner = self.cfg.learner
-        gpus = 1.0 if self.cfg.rollout.gpus_per_worker > 0 else 0.0
-        cpus = (
-            max(1.0, float(os.cpu_count() or 1) - self.cfg.rollout.num_workers) if not gpus else 1
-        )
-        cpus = min(cpus, 8.0)
+        gpu = self.cfg.rollout.gpus_per_worker > 0
+        # One CPU reserved per rank; its torch threads use this machine's cores (the learner is
+        # the bottleneck of a CPU run, and the OS shares the cores with the workers).
+        threads = max(1, min(8, (os.cpu_count() or 1) // learner.num_ranks))
         actor = ray.remote(LearnerRank).options(  # type: ignore[attr-defined]
-            num_cpus=1 if learner.num_ranks > 1 else cpus,
-            num_gpus=gpus,
-            runtime_env=_thread_env(cpus / learner.num_ranks),
+            num_cpus=1, num_gpus=1.0 if gpu else 0.0, runtime_env=_thread_env(threads)
         )
         master = ("127.0.0.1", _free_port())
         self.ranks = [

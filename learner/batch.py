@@ -75,7 +75,8 @@ def build_batch(
     advantages: list[Tensor] = []
     group_index: list[int] = []
     for g, group in enumerate(groups):
-        rewards = torch.as_tensor(group.rewards, dtype=torch.float32)[None, :]
+        # a copy: the rewards array may be a read-only view of the received bytes
+        rewards = torch.tensor(group.rewards, dtype=torch.float32)[None, :]
         advantages.append(
             group_advantages(
                 rewards,
