@@ -102,3 +102,20 @@ def test_buffer_stats_errors_are_clear(tmp_path):
     out = staleflow("buffer", "stats", "--redis-url", "redis://:pw@127.0.0.1:1/0")
     assert out.returncode == 2
     assert "--run" in out.stderr
+
+
+def test_train_help_lists_every_config_key_with_its_schema_description(capsys):
+    import pytest
+
+    from staleflow.cluster.cli import main
+    from staleflow.configs.schema import SyncConfig
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for key, field in SyncConfig.model_fields.items():
+        assert f"sync.{key}  {field.description}" in out
+    assert "--address" in out
+    assert "--workers" in out
+    assert "Ctrl-C" in out

@@ -1,0 +1,339 @@
+"""The whole system with the tiny model: real Ray, real Redis, real DeepSpeed.
+
+In-process runs share the session's Ray (the `ray_local` fixture); the runs that test the
+command line, scaling and Ctrl-C start `staleflow train` as a process of its own, which starts
+and stops its own Ray and Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from staleflow.cluster.driver import Driver, ScheduleError, check_schedule
+from staleflow.cluster.rundir import RunDir, read_metrics
+from staleflow.cluster.schedule import lag
+from staleflow.configs import parse_config
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small and fast: 2 prompts x 2 samples x 4 tokens per batch, no evaluation unless asked.
+TINY = """
+model: {preset: tiny}
+task: {name: digits, chat_template: false, eval_prompts: 0}
+rollout: {num_workers: 2, prompts_per_batch: 2, group_size: 2, max_new_tokens: 4}
+learner: {optimizer: {lr: 1.0e-3}, loss: {name: rec-oneside-nois}}
+run: {tensorboard: false}
+"""
+
+
+def run_driver(tmp_path: Path, *overrides: str, text: str = TINY):
+    cfg = parse_config(text, [f"run.output_dir={tmp_path}", *overrides])
+    run = RunDir.create(str(tmp_path), cfg.run.name or "run")
+    summary = Driver(cfg, run).run()
+    return cfg, run, summary, list(read_metrics(run.metrics))
+
+
+def steps_of(records):
+    return [r for r in records if r["kind"] == "step"]
+
+
+def assert_reconciled(summary):
+    g = summary["groups"]
+    assert g["reconciled"], g
+    assert (
+        g["pushed"]
+        == g["trained"] + g["dropped_stale"] + g["dropped_invalid"] + g["left_in_buffer"]
+    )
+    assert summary["driver_counts"]["trained"] == g["trainings"]
+
+
+# ----------------------------------------------------------------------------- lockstep
+
+
+@pytest.mark.parametrize(
+    ("interval", "offset"),
+    [(1, 0), (1, 1), (1, 10), (4, 0), (4, 1), (4, 10), (20, 0), (20, 1), (20, 10), (1, 100)],
+    ids=lambda v: str(v),
+)
+def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, interval, offset):
+    # 22 steps cover a full I=20 cycle and its wrap, and O=10's switch to a constant lag;
+    # (1, 100) is the offline setting: every batch comes from the initial policy.
+    steps = 22
+    _cfg, _run, summary, records = run_driver(
+        tmp_path,
+        "sync.mode=lockstep",
+        f"sync.interval={interval}",
+        f"sync.offset={offset}",
+        f"run.steps={steps}",
+    )
+    assert summary["status"] == "completed"
+    got = [(r["step"], r["lag_min"], r["lag_max"]) for r in steps_of(records)]
+    want = [(t, lag(t, interval, offset), lag(t, interval, offset)) for t in range(1, steps + 1)]
+    assert got == want
+    if offset >= steps:
+        assert set(summary["trained_by_version"]) == {0}  # offline: only the initial policy
+    assert_reconciled(summary)
+    # rollout batches were split over both workers
+    assert {r["worker"] for r in records if r["kind"] == "rollout"} == {0, 1}
+
+
+def test_lockstep_rejects_a_staleness_bound_below_the_schedules_lag():
+    cfg = parse_config(TINY, ["sync.interval=4", "buffer.max_staleness=2", "run.steps=10"])
+    with pytest.raises(ScheduleError, match=r"largest lag \(3"):
+        check_schedule(cfg)
+
+
+def test_async_rejects_an_offset_and_a_bound_below_the_publish_interval():
+    with pytest.raises(ScheduleError, match=r"only applies to sync\.mode: lockstep"):
+        check_schedule(parse_config(TINY, ["sync.mode=async", "sync.offset=2"]))
+    with pytest.raises(ScheduleError, match="at least 3"):
+        check_schedule(
+            parse_config(TINY, ["sync.mode=async", "sync.interval=4", "buffer.max_staleness=1"])
+        )
+
+
+def test_two_learner_ranks_as_actors_train_in_lockstep(tmp_path, ray_local):
+    # M = 2 data-parallel ranks (gloo between two Ray actors) driven by the same schedule
+    _, run, summary, records = run_driver(
+        tmp_path, "learner.num_ranks=2", "sync.offset=1", "run.steps=4"
+    )
+    assert summary["status"] == "completed"
+    assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 1, 1) for t in range(1, 5)]
+    assert all(r["grad_norm"] > 0 for r in steps_of(records))
+    assert_reconciled(summary)
+    assert (run.latest_checkpoint() / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- async
+
+
+def test_async_run_bounds_staleness_overlaps_and_reconciles(tmp_path, ray_local):
+    _cfg, _run, summary, records = run_driver(
+        tmp_path, "sync.mode=async", "buffer.max_staleness=1", "run.steps=16"
+    )
+    assert summary["status"] == "completed"
+    steps = steps_of(records)
+    assert [r["step"] for r in steps] == list(range(1, 17))
+    assert all(0 <= r["lag_min"] <= r["lag_max"] <= 1 for r in steps)
+    # workers were free-running: they ran ahead of the learner, so some data was stale
+    assert any(r["lag_max"] >= 1 for r in steps)
+    # the admission rule kept the buffer's staleness drops (a safety net) at zero here
+    assert summary["groups"]["dropped_stale"] == 0
+    last = steps[-1]
+    assert 0 < last["learner_busy"] <= 1
+    assert 0 < last["rollout_busy"] <= 1
+    assert_reconciled(summary)
+
+
+def test_async_without_a_bound_drops_nothing_and_still_reconciles(tmp_path, ray_local):
+    # no max_staleness: only buffer capacity limits how far rollout runs ahead
+    _, _, summary, records = run_driver(
+        tmp_path, "sync.mode=async", "buffer.capacity=8", "run.steps=8"
+    )
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    rollout = [r for r in records if r["kind"] == "rollout"]
+    assert len(rollout) * 2 <= 8 + 8 * 2  # never more than capacity ahead of training
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+def staleflow(*args: str, cwd: Path, **kwargs):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, "-m", "staleflow.cluster.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def status_of(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+@pytest.mark.slow
+def test_tiny_config_learns_and_leaves_a_complete_run_directory(tmp_path):
+    # The shipped configs/tiny.yaml through the real entry point, as CI's smoke run.
+    proc = staleflow(
+        "train", str(REPO / "configs/tiny.yaml"), f"run.output_dir={tmp_path}",
+        "run.name=tiny", "run.tensorboard=true", cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    run = tmp_path / "tiny"
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
+    evals = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "eval"]
+    rewards = [r["reward_mean"] for r in steps]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.15, rewards  # the digits reward really rises
+    assert evals[0]["step"] == 0
+    assert evals[-1]["step"] == len(steps)
+    assert evals[-1]["reward_mean"] > evals[0]["reward_mean"] + 0.15
+    assert "held-out accuracy:" in out
+    assert "reconciled" in out
+
+    # the run directory: config, metrics, TensorBoard, checkpoint, logs, summary, report
+    config = json.loads((run / "config.json").read_text())
+    assert config["run"]["name"] == "tiny"
+    assert config["sync"]["offset"] == 1
+    assert any((run / "tensorboard").glob("events.out.tfevents.*"))
+    latest = run / "checkpoints" / (run / "checkpoints/LATEST").read_text().strip()
+    assert (latest / "model.safetensors").is_file()
+    trainer = json.loads((latest / "trainer.json").read_text())
+    assert trainer["steps"] == len(steps)
+    assert (run / "logs/driver.log").stat().st_size > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    html = (run / "report.html").read_text()
+    for name in ("reward", "accuracy", "lag", "clip_kl", "throughput", "busy"):
+        png = run / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"plots/{name}.png" in html
+
+    # `staleflow eval` on the run directory evaluates its latest checkpoint
+    ev = staleflow("eval", str(run), "--prompts", "8", "--json", cwd=tmp_path)
+    out, _ = ev.communicate(timeout=300)
+    assert ev.returncode == 0, out[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["version"] == len(steps)
+    assert result["prompts"] == 8
+
+    # `staleflow report` rebuilds the report from the files alone
+    os.remove(run / "report.html")
+    rep = staleflow("report", str(run), cwd=tmp_path)
+    assert rep.wait(timeout=120) == 0
+    assert (run / "report.html").is_file()
+
+
+@pytest.mark.slow
+def test_scale_workers_up_and_down_during_a_run(tmp_path):
+    (tmp_path / "c.yaml").write_text(TINY)
+    proc = staleflow(
+        "train", "c.yaml", "run.name=scaled", "sync.mode=async", "buffer.max_staleness=2",
+        "run.steps=400", "--workers", "1", cwd=tmp_path,
+    )  # fmt: skip
+    run = tmp_path / "runs" / "scaled"
+    try:
+        wait_for(lambda: status_of(run).get("step", 0) >= 3, 300, "step 3")
+        up = staleflow("scale", str(run), "--workers", "3", cwd=tmp_path)
+        out, _ = up.communicate(timeout=200)
+        assert up.returncode == 0, out
+
+        def records(kind):
+            return [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == kind]
+
+        def batches_by(worker):
+            return [r for r in records("rollout") if r["worker"] == worker]
+
+        wait_for(lambda: batches_by(1) and batches_by(2), 300, "batches from the new workers")
+        scaled_up = records("scale")[0]
+        assert scaled_up["workers"] == 3
+        assert scaled_up["step"] >= 3
+        # new workers loaded the weights current when they were added before their first batch
+        # (with sync.interval 1 the published version is the step); the tag is truthful, as
+        # a worker refuses a batch for a version it has not loaded
+        for worker in (1, 2):
+            assert batches_by(worker)[0]["policy_version"] >= scaled_up["step"]
+
+        down = staleflow("scale", str(run), "--workers", "1", cwd=tmp_path)
+        out, _ = down.communicate(timeout=200)
+        assert down.returncode == 0, out
+        time.sleep(5)
+        scaled_down = records("scale")[1]
+        assert scaled_down["workers"] == 1
+        assert status_of(run)["workers"] == 1
+        # retired workers finish at most the batch they had in flight, then push nothing
+        for worker in (1, 2):
+            assert len([r for r in batches_by(worker) if r["time"] > scaled_down["time"]]) <= 1
+        before = len(batches_by(0))
+        wait_for(lambda: len(batches_by(0)) > before + 2, 120, "the remaining worker to go on")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted", out[-3000:]
+    assert_reconciled(summary)
+
+
+@pytest.mark.slow
+def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path):
+    (tmp_path / "c.yaml").write_text(TINY)
+    proc = staleflow(
+        "train", "c.yaml", "run.name=stopped", "sync.mode=async", "run.steps=100000",
+        cwd=tmp_path,
+    )  # fmt: skip
+    run = tmp_path / "runs" / "stopped"
+    wait_for(lambda: status_of(run).get("step", 0) >= 3, 300, "step 3")
+    children = descendants(proc.pid)
+    redis_pid = json.loads((run / "redis/server.json").read_text())["pid"]
+    assert redis_pid in children
+    assert len(children) > 3
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:]
+    wait_for(lambda: not any(alive(p) for p in children), 30, "Redis and Ray to exit")
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert 3 <= summary["steps"] < 100000
+    assert_reconciled(summary)
+    latest = run / "checkpoints" / (run / "checkpoints/LATEST").read_text().strip()
+    assert json.loads((latest / "trainer.json").read_text())["steps"] == summary["steps"]
+    assert (run / "report.html").is_file()
+    assert status_of(run)["state"] == "interrupted"

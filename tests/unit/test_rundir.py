@@ -1,0 +1,75 @@
+"""Run directories: metrics survive a torn last line, control requests round-trip, and the CLI
+refuses directories that are not runs with a message that says what to pass."""
+
+from __future__ import annotations
+
+import json
+
+from staleflow.cluster.cli import main
+from staleflow.cluster.rundir import MetricsWriter, RunDir, read_metrics
+
+
+def test_metrics_are_flushed_per_line_and_a_torn_last_line_is_skipped(tmp_path):
+    run = RunDir.create(str(tmp_path), "r")
+    writer = MetricsWriter(run, tensorboard=False)
+    writer.write("step", 1, loss=0.5)
+    writer.write("eval", 1, accuracy=0.25)
+    # written before close: a crash right now keeps both lines
+    assert [r["kind"] for r in read_metrics(run.metrics)] == ["step", "eval"]
+    writer.close()
+    with run.metrics.open("a") as f:
+        f.write('{"kind": "step", "step": 2, "lo')  # killed mid-write
+    records = list(read_metrics(run.metrics))
+    assert [(r["kind"], r["step"]) for r in records] == [("step", 1), ("eval", 1)]
+    assert records[0]["loss"] == 0.5
+    assert records[1]["accuracy"] == 0.25
+
+
+def test_worker_requests_are_taken_once_and_bad_ones_ignored(tmp_path):
+    run = RunDir.create(str(tmp_path), "r")
+    assert run.take_worker_request() is None
+    run.request_workers(3)
+    assert run.take_worker_request() == 3
+    assert run.take_worker_request() is None  # consumed
+    (run.control / "scale.json").write_text(json.dumps({"workers": 0}))
+    assert run.take_worker_request() is None
+    (run.control / "scale.json").write_text("{not json")
+    assert run.take_worker_request() is None
+
+
+def test_latest_checkpoint_follows_the_pointer(tmp_path):
+    run = RunDir.create(str(tmp_path), "r")
+    assert run.latest_checkpoint() is None
+    (run.checkpoints / "step-000004").mkdir()
+    run.mark_latest_checkpoint(run.checkpoints / "step-000004")
+    assert run.latest_checkpoint() == run.checkpoints / "step-000004"
+
+
+def test_report_and_scale_refuse_a_directory_that_is_not_a_run(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a staleflow run directory" in capsys.readouterr().err
+    assert main(["scale", str(tmp_path), "--workers", "2"]) == 2
+    assert "not a staleflow run directory" in capsys.readouterr().err
+
+
+def test_scale_refuses_a_run_that_is_not_running(tmp_path, capsys):
+    run = RunDir.create(str(tmp_path), "r")
+    run.config.write_text("{}")
+    run.status.write_text(json.dumps({"state": "completed", "workers": 2}))
+    assert main(["scale", str(run.path), "--workers", "4"]) == 2
+    assert "is not running (state: completed)" in capsys.readouterr().err
+    assert not (run.control / "scale.json").exists()
+
+
+def test_train_refuses_an_existing_run_and_a_bad_schedule_before_starting_anything(
+    tmp_path, capsys
+):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {preset: tiny}\nsync: {mode: async, offset: 3}\n")
+    assert main(["train", str(cfg), f"run.output_dir={tmp_path}"]) == 2
+    assert "sync.offset=3 only applies to sync.mode: lockstep" in capsys.readouterr().err
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "config.json").write_text("{}")
+    cfg.write_text("model: {preset: tiny}\n")
+    assert main(["train", str(cfg), f"run.output_dir={tmp_path}", "run.name=taken"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
