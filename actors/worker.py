@@ -56,6 +56,7 @@ class EvalReport:
     reward_mean: float
     parse_failures: int
     temperature: float
+    examples: tuple[tuple[str, str, float], ...] = ()  # (prompt, response, reward), a few
 
 
 class RolloutWorker:
@@ -188,6 +189,10 @@ class RolloutWorker:
         )
         completions = self.engine.generate([self.encode_prompt(p) for p in prompts], 1, sampling)
         scores = [self.task.score(p, c[0].text) for p, c in zip(prompts, completions, strict=True)]
+        examples = tuple(
+            (p.text, c[0].text, s.reward)
+            for p, c, s in itertools.islice(zip(prompts, completions, scores, strict=True), 3)
+        )
         return EvalReport(
             policy_version=self.engine.version,
             prompts=len(prompts),
@@ -195,6 +200,7 @@ class RolloutWorker:
             reward_mean=statistics.fmean(s.reward for s in scores) if scores else 0.0,
             parse_failures=sum(not s.parsed for s in scores),
             temperature=temp,
+            examples=examples,
         )
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -151,9 +151,10 @@ class Driver:
             if self.learning is None and self.batches_done > self.step:
                 self._start_step(timeout_s=30.0)
             return
-        for slot in self.pool.active:
-            if slot.busy is None and self._admit():
-                self._dispatch([slot], self.latest, split=False)
+        for slot in self.pool.idle():
+            if not self._admit():
+                break
+            self._dispatch([slot], self.latest, split=False)
         if self.learning is None:
             self._start_step(timeout_s=0.0)
 
@@ -232,6 +233,11 @@ class Driver:
             wall_s=elapsed,
         )
         self.metrics.write("step", self.step, **record)
+        logger.info(
+            "step %d: reward %.3f, loss %.4f, lag %.0f..%.0f, clip %.3f, %.0f tok/s",
+            self.step, record["reward_mean"], record["loss"], record["lag_min"],
+            record["lag_max"], record.get("clip_frac", 0.0), record["tokens_per_s"],
+        )  # fmt: skip
         if self.progress is not None:
             self.progress.step(self.step, record)
         if self.step % self.I == 0 or self.step == self.cfg.run.steps:
@@ -248,7 +254,7 @@ class Driver:
         import ray
 
         slot, batch = self.shards.pop(ref)
-        slot.busy = None
+        self.pool.finished(slot)
         report = ray.get(ref)
         self.counts.rollout_s += report.generate_s
         self.counts.pushed_by_reports += report.pushed
@@ -293,10 +299,12 @@ class Driver:
 
         report = ray.get(ref)
         self.accuracy[step] = report.accuracy
+        logger.info("held-out accuracy at step %d: %.3f", step, report.accuracy)
         self.metrics.write(
             "eval", step, accuracy=report.accuracy, reward_mean=report.reward_mean,
             prompts=report.prompts, temperature=report.temperature,
             parse_failures=report.parse_failures, wall_s=time.time() - self.started,
+            examples=[list(e) for e in report.examples],
         )  # fmt: skip
         if self.progress is not None:
             self.progress.eval(step, report.accuracy)
@@ -401,6 +409,7 @@ class Driver:
         self.rundir.config.write_text(redact(dump_config(self.cfg)) + "\n")
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard)
         self._write_status("starting")
+        logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
         url = self.cfg.buffer.redis_url
         if url is None:
             self._redis = RedisServer(
@@ -408,6 +417,7 @@ class Driver:
             ).start()
             url = self._redis.url
         self.buffer = ReplayBuffer.from_config(self.cfg.buffer, url, self.run_id)
+        logger.info("buffer: %s", redact(url))
         self.buffer.clear()  # a run name reused on a shared server starts from an empty buffer
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
         import ray
@@ -419,6 +429,10 @@ class Driver:
         for _ in range(self.cfg.rollout.num_workers):
             self.pool.add(None)
         self.learner.ready()
+        logger.info(
+            "ray: %d rollout worker(s), %d learner rank(s)",
+            len(self.pool.slots), self.cfg.learner.num_ranks,
+        )  # fmt: skip
         self._publish()
         self._evaluate(0)
         self.started = time.time()  # busy fractions and wall time count from here
@@ -448,6 +462,7 @@ class Driver:
         if self.progress is not None:
             self.progress.stop()
         self._write_status(status)
+        logger.info("stopping (%s after %d steps): %s", status, self.step, summary.get("groups"))
         self._teardown()
         from staleflow.cluster.rundir import write_json
 

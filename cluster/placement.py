@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,7 @@ class WorkerSlot:
     version: int = 0  # the version the actor will have loaded once its queued calls ran
     busy: Any = None  # ObjectRef of the batch in flight
     retiring: bool = False
+    idle_since: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -93,6 +95,15 @@ class WorkerPool:
     @property
     def active(self) -> list[WorkerSlot]:
         return [s for s in self.slots if not s.retiring]
+
+    def idle(self) -> list[WorkerSlot]:
+        """Active workers without a batch in flight, longest idle first (so a newly added
+        worker is not starved by a fast one that is always idle first)."""
+        return sorted((s for s in self.active if s.busy is None), key=lambda s: s.idle_since)
+
+    def finished(self, slot: WorkerSlot) -> None:
+        slot.busy = None
+        slot.idle_since = time.monotonic()
 
     def add(self, weights: Any | None) -> WorkerSlot:
         """Start a worker; it loads `weights` (a published handle) before anything else."""

@@ -109,7 +109,9 @@ def test_two_learner_ranks_as_actors_train_in_lockstep(tmp_path, ray_local):
     )
     assert summary["status"] == "completed"
     assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 1, 1) for t in range(1, 5)]
-    assert all(r["grad_norm"] > 0 for r in steps_of(records))
+    norms = [r["grad_norm"] for r in steps_of(records)]
+    assert all(n >= 0 for n in norms), norms  # finite (NaN fails), from both ranks' shards
+    assert any(n > 0 for n in norms), norms
     assert_reconciled(summary)
     assert (run.latest_checkpoint() / "model.safetensors").is_file()
 
@@ -337,3 +339,27 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path):
     assert json.loads((latest / "trainer.json").read_text())["steps"] == summary["steps"]
     assert (run / "report.html").is_file()
     assert status_of(run)["state"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_train_joins_an_existing_ray_cluster_and_leaves_it_running(tmp_path, ray_local):
+    import ray
+
+    address = ray.get_runtime_context().gcs_address  # the session's cluster
+    (tmp_path / "c.yaml").write_text(TINY)
+    proc = staleflow(
+        "train", "c.yaml", "run.name=joined", "run.steps=4", "--address", address, cwd=tmp_path
+    )
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((tmp_path / "runs/joined/summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["steps"] == 4
+
+    # the driver only disconnected: the cluster it joined still runs tasks
+    @ray.remote
+    def add_one(x: int) -> int:
+        return x + 1
+
+    assert ray.get(add_one.remote(41)) == 42
+    assert ray.cluster_resources().get("CPU", 0) >= 1
