@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelError", "cache_dir", "load_model", "smollm2_dir", "tiny_dir", "tiny_model"]
+__all__ = [
+    "ModelError",
+    "cache_dir",
+    "load_model",
+    "prepare_model",
+    "smollm2_dir",
+    "tiny_dir",
+    "tiny_model",
+]
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -53,14 +61,27 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> tuple[Any, Any]:
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
-def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def prepare_model(cfg: Any) -> None:
+    """Fail fast on a bad model source, and convert SmolLM2 once, before several processes
+    (rollout workers, learner ranks) load the model at the same time."""
+    if cfg.preset == "smollm2-135m":
+        smollm2_dir()
+    elif cfg.path is not None:
+        _check_dir(Path(cfg.path))
 
+
+def _check_dir(path: Path) -> None:
     if not path.exists():
         raise ModelError(f"model directory {path} does not exist; set model.path to a local "
                          "Hugging Face model directory or use model.preset")  # fmt: skip
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a Hugging Face model directory: it has no config.json")
+
+
+def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _check_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)

@@ -67,10 +67,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     handler = run.attach_log()
     logging.getLogger("staleflow").addHandler(_stderr_warnings())
     print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)
+    from staleflow.actors.models import ModelError
+    from staleflow.actors.tasks import TaskError
+    from staleflow.buffer.connection import BufferConnectionError
+    from staleflow.buffer.server import RedisServerError
+
     try:
         summary = Driver(
             cfg, run, address=args.address, progress=Progress(name, cfg.run.log_every)
         ).run()
+    except (ModelError, TaskError, BufferConnectionError, RedisServerError) as exc:
+        return _fail(f"{exc} (run directory: {run.path})")
     finally:
         logging.getLogger().removeHandler(handler)
     _print_summary(run, summary)

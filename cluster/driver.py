@@ -400,6 +400,7 @@ class Driver:
         self._write_status("running")
 
     def _start(self) -> None:
+        from staleflow.actors.models import prepare_model
         from staleflow.actors.tasks import make_task
         from staleflow.buffer.replay import ReplayBuffer
         from staleflow.buffer.server import RedisServer, redis_dir
@@ -407,6 +408,9 @@ class Driver:
         from staleflow.cluster.rundir import MetricsWriter
 
         self.rundir.config.write_text(redact(dump_config(self.cfg)) + "\n")
+        # bad input fails here, before any server or process starts
+        self.prompts = iter(make_task(self.cfg.task).train_prompts())
+        prepare_model(self.cfg.model)
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
@@ -419,7 +423,6 @@ class Driver:
         self.buffer = ReplayBuffer.from_config(self.cfg.buffer, url, self.run_id)
         logger.info("buffer: %s", redact(url))
         self.buffer.clear()  # a run name reused on a shared server starts from an empty buffer
-        self.prompts = iter(make_task(self.cfg.task).train_prompts())
         import ray
 
         self._started_ray = not ray.is_initialized() and not self.address

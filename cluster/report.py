@@ -74,7 +74,8 @@ def write_report(run: RunDir) -> Path:
         if x:
             over.plot(x, y, label=key, linestyle="--" if key == "lag_expected" else "-")
     over.set_xlabel("learner step")
-    over.legend()
+    if over.lines:
+        over.legend()
     _save(fig, run.plots / "lag.png")
 
     fig, (clip, kl) = plt.subplots(1, 2, figsize=(10, 3.5))

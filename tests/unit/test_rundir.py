@@ -73,3 +73,17 @@ def test_train_refuses_an_existing_run_and_a_bad_schedule_before_starting_anythi
     cfg.write_text("model: {preset: tiny}\n")
     assert main(["train", str(cfg), f"run.output_dir={tmp_path}", "run.name=taken"]) == 2
     assert "already holds a run" in capsys.readouterr().err
+
+
+def test_train_with_a_missing_model_directory_fails_clearly_before_starting_anything(
+    tmp_path, capsys
+):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tmp_path / 'nowhere'}}}\nrun: {{name: r, steps: 2}}\n")
+    assert main(["train", str(cfg), f"run.output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "model directory" in err
+    assert "does not exist; set model.path" in err
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert not (tmp_path / "r" / "redis" / "server.json").exists()  # no server was started
