@@ -22,6 +22,7 @@ import itertools
 import logging
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,7 @@ class StepInFlight:
     taken: Any
     started: float
     reward_mean: float
+    lag_counts: dict[str, int]  # lag -> groups, for the report's histogram
 
 
 @dataclass
@@ -199,7 +201,8 @@ class Driver:
             return
         refs = self.learner.step(groups, self.step)
         reward = float(np.mean([g.rewards.mean() for g in groups]))
-        self.learning = StepInFlight(refs, self.staged, time.time(), reward)
+        lags = Counter(str(self.step - g.policy_version) for g in groups)
+        self.learning = StepInFlight(refs, self.staged, time.time(), reward, dict(lags))
         self.staged = []
 
     # ------------------------------------------------------------------------ events
@@ -214,7 +217,9 @@ class Driver:
         self.counts.trained += len(receipts)
         self.counts.learner_s += time.time() - self.learning.started
         self.step += 1
-        record = dict(metrics, reward_mean=self.learning.reward_mean)
+        record = dict(
+            metrics, reward_mean=self.learning.reward_mean, lag_counts=self.learning.lag_counts
+        )
         self.learning = None
         if self.cfg.sync.mode == "lockstep":
             expected = lag(self.step, self.I, self.O)

@@ -63,8 +63,9 @@ def write_report(run: RunDir) -> Path:
 
     fig, (hist, over) = plt.subplots(1, 2, figsize=(10, 3.5))
     lags: Counter[int] = Counter()
-    for r in steps:  # every group of a lockstep step has the same lag; async: mean per step
-        lags[round(r.get("lag_mean", 0))] += int(r.get("groups", 1))
+    for r in steps:
+        for value, count in r.get("lag_counts", {}).items():
+            lags[int(value)] += int(count)
     if lags:
         hist.bar(list(lags), list(lags.values()))
     hist.set_xlabel("lag (versions)")

@@ -127,6 +127,11 @@ def test_async_run_bounds_staleness_overlaps_and_reconciles(tmp_path, ray_local)
     steps = steps_of(records)
     assert [r["step"] for r in steps] == list(range(1, 17))
     assert all(0 <= r["lag_min"] <= r["lag_max"] <= 1 for r in steps)
+    # the driver's per-group lag counts agree with the learner's min / max and group count
+    for r in steps:
+        lags = {int(k): n for k, n in r["lag_counts"].items()}
+        assert sum(lags.values()) == r["groups"] == 2
+        assert (min(lags), max(lags)) == (r["lag_min"], r["lag_max"])
     # workers were free-running: they ran ahead of the learner, so some data was stale
     assert any(r["lag_max"] >= 1 for r in steps)
     # the admission rule kept the buffer's staleness drops (a safety net) at zero here
