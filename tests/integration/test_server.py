@@ -67,8 +67,9 @@ def test_stopped_when_the_block_raises(tmp_path):
 
 
 _CHILD = """
-import sys, time
+import faulthandler, sys, time
 from staleflow.buffer.server import RedisServer
+faulthandler.register(__import__("signal").SIGUSR1)  # the test asks for a stack if it hangs
 with RedisServer(sys.argv[1]) as server:
     print(server.process.pid, flush=True)
     time.sleep(600)
@@ -78,12 +79,22 @@ with RedisServer(sys.argv[1]) as server:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_stopped_on_ctrl_c_and_when_the_owner_dies(tmp_path, sig):
     owner = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     pid = int(owner.stdout.readline())
     assert alive(pid)
     owner.send_signal(sig)  # Ctrl-C unwinds the with-block; SIGKILL leaves it to the kernel
-    owner.wait(timeout=30)
+    try:
+        owner.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # once seen in CI: say where the owner was stuck
+        owner.send_signal(signal.SIGUSR1)
+        time.sleep(1)
+        owner.kill()
+        _, err = owner.communicate()
+        pytest.fail(f"the owner did not exit within 60 s of {sig.name}; its stack:\n{err}")
     assert wait_dead(pid), f"redis-server {pid} outlived its owner after {sig.name}"
 
 
