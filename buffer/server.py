@@ -190,9 +190,6 @@ class RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            # its own process group: a terminal's Ctrl-C goes to the owner, which then stops
-            # the server after its clean shutdown needs it no more
-            start_new_session=True,
         )
         self.port = port
         deadline = time.monotonic() + self.start_timeout_s
@@ -242,7 +239,10 @@ def _free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: ask the kernel to SIGTERM us when our parent dies."""
+    """In the child before exec: ask the kernel to SIGTERM us when our parent dies, and block
+    SIGINT, so a terminal's Ctrl-C reaches only the owner, which stops the server once its
+    clean shutdown no longer needs it (the mask survives exec; Ray does the same)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
