@@ -186,6 +186,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
+    import torch
     from safetensors.torch import load_file
 
     from staleflow.cluster.rundir import RunDir
@@ -196,11 +197,5 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
     trainer = json.loads((path / "trainer.json").read_text())
     arrays = {}
     for name, t in load_file(str(path / "model.safetensors")).items():
-        arrays[name] = (t.view(_int16()) if str(t.dtype) == "torch.bfloat16" else t).numpy()
+        arrays[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     return int(trainer["steps"]), arrays
-
-
-def _int16() -> Any:
-    import torch
-
-    return torch.int16

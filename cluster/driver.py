@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from staleflow.cluster.rundir import MetricsWriter, write_json
 from staleflow.cluster.schedule import lag, rollout_version
 from staleflow.configs.loader import ConfigError, dump_config, redact
 
@@ -410,7 +411,6 @@ class Driver:
         from staleflow.buffer.replay import ReplayBuffer
         from staleflow.buffer.server import RedisServer, redis_dir
         from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
-        from staleflow.cluster.rundir import MetricsWriter
 
         self.rundir.config.write_text(redact(dump_config(self.cfg)) + "\n")
         # bad input fails here, before any server or process starts
@@ -459,21 +459,18 @@ class Driver:
         except Exception:
             logger.exception("could not checkpoint or reconcile the run")
             summary["status"] = status = "failed"
-        first, last = min(self.accuracy, default=None), max(self.accuracy, default=None)
+        last = max(self.accuracy, default=None)
         summary.update(
             wall_s=time.time() - self.started,
             accuracy_before=self.accuracy.get(0),
             accuracy_after=self.accuracy.get(last) if last else None,
             accuracy_by_step={str(k): v for k, v in sorted(self.accuracy.items())},
-            first_eval_step=first,
         )
         if self.progress is not None:
             self.progress.stop()
         self._write_status(status)
         logger.info("stopping (%s after %d steps): %s", status, self.step, summary.get("groups"))
         self._teardown()
-        from staleflow.cluster.rundir import write_json
-
         write_json(self.rundir.summary, summary)
         try:
             from staleflow.cluster.report import write_report
@@ -538,8 +535,6 @@ class Driver:
                 logger.exception("could not stop the %s", what)
 
     def _write_status(self, state: str) -> None:
-        from staleflow.cluster.rundir import write_json
-
         pool = getattr(self, "pool", None)
         write_json(
             self.rundir.status,

@@ -167,16 +167,6 @@ class LearnerRank:
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self.learner.save(path, extra)
 
-    def load(self, path: str) -> dict[str, Any]:
-        return self.learner.load(path)
-
-    def export(self, path: str) -> str:
-        from staleflow.actors.models import load_model
-        from staleflow.learner.checkpoint import export_hf
-
-        _, tokenizer = load_model(self.learner.cfg.model)
-        return str(export_hf(self.learner, tokenizer, path))
-
 
 @dataclass
 class LearnerGroup:
@@ -210,12 +200,6 @@ class LearnerGroup:
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         ray.get(self.ranks[0].save.remote(path, extra))
-
-    def load(self, path: str) -> dict[str, Any]:
-        return ray.get([r.load.remote(path) for r in self.ranks])[0]  # type: ignore[no-any-return]
-
-    def export(self, path: str) -> str:
-        return ray.get(self.ranks[0].export.remote(path))  # type: ignore[no-any-return]
 
     def ready(self) -> None:
         """Block until every rank has built its engine (raises the rank's error if not)."""
