@@ -183,3 +183,18 @@ def test_reasoning_gym_unknown_dataset():
                 "model: {preset: tiny}\ntask: {name: 'reasoning_gym:no_such_thing'}\n"
             ).task
         )
+
+
+def test_digits_reward_is_the_share_of_digit_characters():
+    from staleflow.actors.tasks import DigitsTask
+
+    task = DigitsTask()
+    prompt = next(task.train_prompts())
+    assert task.score(prompt, "42").reward == 1.0  # 2 of 2 characters are digits
+    assert task.score(prompt, "4 2 ab").reward == 0.5  # spaces ignored: 2 of 4
+    assert task.score(prompt, "a1b").reward == 1 / 3  # 1 of 3
+    empty = task.score(prompt, "   ")
+    assert (empty.reward, empty.parsed) == (0.0, False)
+    assert task.eval_prompts(4)[0].prompt_id not in {
+        p.prompt_id for p in itertools.islice(task.train_prompts(), 200)
+    }
