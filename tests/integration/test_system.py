@@ -120,6 +120,8 @@ def test_two_learner_ranks_as_actors_train_in_lockstep(tmp_path, ray_local):
 
 
 def test_async_run_bounds_staleness_overlaps_and_reconciles(tmp_path, ray_local):
+    # Two free-running workers: which batch a step gets depends on their relative speeds, so
+    # only what holds for every timing is asserted (the exact lag is the next test's).
     _cfg, _run, summary, records = run_driver(
         tmp_path, "sync.mode=async", "buffer.max_staleness=1", "run.steps=16"
     )
@@ -132,13 +134,31 @@ def test_async_run_bounds_staleness_overlaps_and_reconciles(tmp_path, ray_local)
         lags = {int(k): n for k, n in r["lag_counts"].items()}
         assert sum(lags.values()) == r["groups"] == 2
         assert (min(lags), max(lags)) == (r["lag_min"], r["lag_max"])
-    # workers were free-running: they ran ahead of the learner, so some data was stale
-    assert any(r["lag_max"] >= 1 for r in steps)
-    # the admission rule kept the buffer's staleness drops (a safety net) at zero here
-    assert summary["groups"]["dropped_stale"] == 0
     last = steps[-1]
     assert 0 < last["learner_busy"] <= 1
     assert 0 < last["rollout_busy"] <= 1
+    # both workers produced data
+    workers = {r["worker"] for r in records if r["kind"] == "rollout"}
+    assert workers == {0, 1}
+    assert_reconciled(summary)
+
+
+def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
+    # One worker starts its next batch in the same tick as the learner starts a step, with
+    # the weights published before that step: whatever the speeds, step t >= 2 trains on
+    # version t - 2 (lag 1). Rollout and learning overlap, and admission drops nothing.
+    _cfg, _run, summary, records = run_driver(
+        tmp_path,
+        "sync.mode=async",
+        "buffer.max_staleness=1",
+        "rollout.num_workers=1",
+        "run.steps=8",
+    )
+    assert summary["status"] == "completed"
+    steps = steps_of(records)
+    assert [(r["lag_min"], r["lag_max"]) for r in steps] == [(0, 0)] + [(1, 1)] * 7
+    assert summary["groups"]["dropped_stale"] == 0
+    assert summary["groups"]["pushed"] == 8 * 2
     assert_reconciled(summary)
 
 
