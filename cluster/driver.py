@@ -30,6 +30,7 @@ import numpy as np
 
 from staleflow.cluster.rundir import MetricsWriter, write_json
 from staleflow.cluster.schedule import lag, rollout_version
+from staleflow.cluster.trajectories import TrajectoryLog
 from staleflow.configs.loader import ConfigError, dump_config, redact
 
 __all__ = ["Driver", "ScheduleError", "check_schedule"]
@@ -140,6 +141,7 @@ class Driver:
         self.started = time.time()
         self._redis: Any = None
         self._started_ray = False
+        self.trajectories: TrajectoryLog | None = None
 
     # ------------------------------------------------------------------------ the schedule
 
@@ -200,6 +202,8 @@ class Driver:
                     f"{len(groups)} of its {self.G} groups; see `staleflow buffer stats`"
                 )
             return
+        if self.trajectories is not None:
+            self.trajectories.record(self.step + 1, self.step, groups)
         refs = self.learner.step(groups, self.step)
         reward = float(np.mean([g.rewards.mean() for g in groups]))
         lags = Counter(str(self.step - g.policy_version) for g in groups)
@@ -417,6 +421,8 @@ class Driver:
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard)
+        if self.cfg.run.record_trajectories:
+            self.trajectories = TrajectoryLog(self.rundir.trajectories)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
         url = self.cfg.buffer.redis_url
@@ -524,6 +530,7 @@ class Driver:
             ("learner", lambda: self.learner.kill()),
             ("buffer", lambda: self.buffer.close()),
             ("metrics", lambda: self.metrics.close()),
+            ("trajectories", lambda: self.trajectories and self.trajectories.close()),
             ("ray", lambda: ray.shutdown() if self._started_ray else None),
             ("redis", lambda: self._redis.stop() if self._redis is not None else None),
         ):

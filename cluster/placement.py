@@ -25,7 +25,7 @@ from staleflow.buffer.records import Group
 from staleflow.learner.learner import Learner
 from staleflow.learner.publish import CheckpointPublisher, RayPublisher
 
-__all__ = ["LearnerGroup", "LearnerRank", "WorkerPool", "start_ray"]
+__all__ = ["LearnerGroup", "LearnerRank", "WorkerPool", "learner_threads", "start_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class LearnerGroup:
         gpu = self.cfg.rollout.gpus_per_worker > 0
         # One CPU reserved per rank; its torch threads use this machine's cores (the learner is
         # the bottleneck of a CPU run, and the OS shares the cores with the workers).
-        threads = max(1, min(8, (os.cpu_count() or 1) // learner.num_ranks))
+        threads = learner_threads(learner.num_ranks)
         actor = ray.remote(LearnerRank).options(  # type: ignore[attr-defined]
             num_cpus=1, num_gpus=1.0 if gpu else 0.0, runtime_env=_thread_env(threads)
         )
@@ -208,6 +208,11 @@ class LearnerGroup:
     def kill(self) -> None:
         for r in self.ranks:
             ray.kill(r)
+
+
+def learner_threads(num_ranks: int) -> int:
+    """Torch threads of each learner rank: this machine's cores shared over the ranks."""
+    return max(1, min(8, (os.cpu_count() or 1) // num_ranks))
 
 
 def _free_port() -> int:

@@ -6,6 +6,7 @@
     tensorboard/         the same scalars as TensorBoard event files (run.tensorboard)
     checkpoints/step-N/  learner checkpoints (safetensors + JSON); LATEST names the newest
     weights/             published weights when sync.method is checkpoint
+    trajectories/        each learner step's groups in order (steps.jsonl, groups.bin)
     redis/               the embedded Redis server's data, log and address
     logs/driver.log      the driver's log (Ray's worker logs stay in Ray's session dir)
     summary.json         totals, reconciliation of the groups, before/after accuracy
@@ -73,6 +74,7 @@ class RunDir:
     plots = property(lambda self: self.path / "plots")
     report = property(lambda self: self.path / "report.html")
     log = property(lambda self: self.path / "logs" / "driver.log")
+    trajectories = property(lambda self: self.path / "trajectories")
 
     def latest_checkpoint(self) -> Path | None:
         latest = self.checkpoints / "LATEST"

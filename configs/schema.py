@@ -284,6 +284,11 @@ class RunSection(Frozen):
         0, ge=0, description="Checkpoint every N learner steps (0: only at the end)."
     )
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
+    record_trajectories: bool = Field(
+        True,
+        description="Record the groups each learner step consumes, in order, under "
+        "trajectories/ (what `staleflow replay` retrains on).",
+    )
 
 
 class RunConfig(Frozen):

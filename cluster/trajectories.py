@@ -1,0 +1,202 @@
+"""What each learner step consumed, and retraining on exactly that (`staleflow replay`).
+
+The driver records, for every learner step, the groups it handed the learner: their ids,
+policy versions and order (`trajectories/steps.jsonl`, one line per step), and the groups
+themselves, each once, in the buffer's wire format (`trajectories/groups.bin`: an 8-byte
+little-endian length, then `codec.encode(group)`). Both are appended and flushed before the
+step starts, so a crash loses at most the step in flight.
+
+`replay(run_dir)` rebuilds the learner from the run's resolved config (the same initial
+weights, seed and thread count), feeds it that sequence, and compares its per-step metrics
+with the ones the run logged.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from staleflow.buffer.codec import decode, encode
+from staleflow.buffer.records import Group
+
+__all__ = [
+    "COMPARED",
+    "ReplayError",
+    "ReplayResult",
+    "TrajectoryLog",
+    "read_trajectories",
+    "replay",
+]
+
+_LEN = struct.Struct("<Q")
+
+# The learner metrics a replay must reproduce (timings and throughput are not reproducible).
+COMPARED = (
+    "loss", "grad_norm", "entropy", "clip_frac", "ratio_mean", "ratio_min", "ratio_max",
+    "approx_kl", "adv_mean", "regularizer", "lag_min", "lag_max", "tokens", "groups",
+)  # fmt: skip
+
+
+class ReplayError(RuntimeError):
+    """The run directory cannot be replayed (what is missing and how to get it)."""
+
+
+class TrajectoryLog:
+    """Appends the consumed groups and the per-step sequence under `directory`."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._groups: IO[bytes] = open(self.dir / "groups.bin", "ab")  # noqa: SIM115
+        self._steps: IO[str] = open(self.dir / "steps.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._stored: set[str] = set()
+
+    def record(self, step: int, learner_version: int, groups: Sequence[Group]) -> None:
+        """Step `step` (1-based) trains at `learner_version` on `groups`, in this order."""
+        for g in groups:
+            if g.group_id not in self._stored:  # a reused group is stored once
+                data = encode(g)
+                self._groups.write(_LEN.pack(len(data)) + data)
+                self._stored.add(g.group_id)
+        self._groups.flush()
+        line = {
+            "step": step,
+            "learner_version": learner_version,
+            "groups": [[g.group_id, g.policy_version] for g in groups],
+        }
+        self._steps.write(json.dumps(line) + "\n")
+        self._steps.flush()
+
+    def close(self) -> None:
+        self._groups.close()
+        self._steps.close()
+
+
+def read_trajectories(
+    directory: str | os.PathLike[str],
+) -> tuple[list[dict[str, Any]], dict[str, Group]]:
+    """(steps, groups by id) as recorded; a torn last record (a crash mid-write) is ignored."""
+    directory = Path(directory)
+    steps_path, groups_path = directory / "steps.jsonl", directory / "groups.bin"
+    if not steps_path.exists() or not groups_path.exists():
+        raise ReplayError(
+            f"{directory} holds no recorded trajectories (steps.jsonl, groups.bin); "
+            "runs record them unless run.record_trajectories=false"
+        )
+    groups = {g.group_id: g for g in _read_groups(groups_path)}
+    steps = []
+    for line in steps_path.read_text(encoding="utf-8").splitlines():
+        try:
+            steps.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # torn by a crash: everything before it is whole
+    return steps, groups
+
+
+def _read_groups(path: Path) -> Iterator[Group]:
+    with open(path, "rb") as f:
+        while header := f.read(_LEN.size):
+            if len(header) < _LEN.size:
+                return
+            (n,) = _LEN.unpack(header)
+            data = f.read(n)
+            if len(data) < n:
+                return
+            yield decode(data)
+
+
+def _single_rank_environment() -> None:
+    """Replay is one rank of its own: never the rank variables or port a caller inherited
+    from (or shares with) another process group."""
+    import socket
+
+    import deepspeed
+
+    if deepspeed.comm.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(port))
+
+
+@dataclass
+class ReplayResult:
+    steps: int  # steps replayed
+    worst: dict[str, float]  # metric -> largest relative difference over the steps
+    mismatches: list[str]  # "step 3: loss 0.12 (run) vs 0.13 (replay)"
+    records: list[dict[str, float]]  # the replay's per-step metrics
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+
+def replay(
+    run_dir: str | os.PathLike[str],
+    *,
+    steps: int | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+    on_step: Any = None,
+) -> ReplayResult:
+    """Retrain from the run's initial weights on exactly the recorded sequence of groups and
+    compare each step's metrics with the run's (`COMPARED`, within rtol/atol)."""
+    import torch
+
+    from staleflow.cluster.placement import learner_threads
+    from staleflow.cluster.rundir import RunDir, read_metrics
+    from staleflow.configs import parse_config
+    from staleflow.learner.learner import Learner
+
+    run = RunDir(Path(run_dir))
+    if not run.config.exists():
+        raise ReplayError(f"{run.path} is not a run directory (no config.json)")
+    cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
+    recorded, groups = read_trajectories(run.trajectories)
+    logged = {int(r["step"]): r for r in read_metrics(run.metrics) if r.get("kind") == "step"}
+    if steps is not None:
+        recorded = recorded[:steps]
+    if not recorded:
+        raise ReplayError(f"{run.trajectories} records no learner step to replay")
+    if cfg.learner.num_ranks != 1:
+        raise ReplayError(
+            f"the run used {cfg.learner.num_ranks} learner ranks; replay rebuilds one rank, "
+            "whose float sums differ from a sharded step's (replay runs of num_ranks=1)"
+        )
+    # the run's learner actor had this many torch threads; the same count sums the same way
+    torch.set_num_threads(learner_threads(1))
+    _single_rank_environment()
+    learner = Learner(cfg)
+    worst: dict[str, float] = {}
+    mismatches: list[str] = []
+    records = []
+    for entry in recorded:
+        missing = [gid for gid, _ in entry["groups"] if gid not in groups]
+        if missing:
+            raise ReplayError(f"step {entry['step']}: group {missing[0]} is not in groups.bin")
+        batch = [groups[gid] for gid, _ in entry["groups"]]
+        metrics = learner.step(batch, entry["learner_version"])
+        records.append(metrics)
+        run_metrics = logged.get(int(entry["step"]))
+        if run_metrics is None:  # the run stopped before logging it (e.g. a crash)
+            break
+        for key in COMPARED:
+            if key not in metrics or key not in run_metrics:
+                continue
+            a, b = float(run_metrics[key]), float(metrics[key])
+            if math.isnan(a) and math.isnan(b):
+                continue
+            diff = abs(a - b) / max(abs(a), 1e-12)
+            worst[key] = max(worst.get(key, 0.0), diff if math.isfinite(diff) else math.inf)
+            if not abs(a - b) <= atol + rtol * abs(a):
+                mismatches.append(f"step {entry['step']}: {key} {a:.9g} (run) vs {b:.9g} (replay)")
+        if on_step is not None:
+            on_step(int(entry["step"]), metrics)
+    return ReplayResult(len(records), worst, mismatches, records)
