@@ -190,6 +190,40 @@ def _add_run_commands(sub: Any) -> None:
     )
     scale.set_defaults(func=_lazy("cmd_scale"))
 
+    sweep = sub.add_parser(
+        "sweep",
+        help="run a grid of configs (sync settings x algorithms x seeds) and one combined report",
+        description="Run every cell of SWEEP.yaml's grid as a run directory under "
+        "<output_dir>/<name>/runs/, then write the combined report (report.html, plots/, "
+        "summary.md/.csv/.json) next to it. Resumable: run it again and completed cells are "
+        "skipped, incomplete ones are set aside under incomplete/ and rerun. The file format "
+        "is documented in configs/sweeps/tiny.yaml.",
+    )
+    sweep.add_argument("sweep_file", help="sweep file, e.g. configs/sweeps/tiny.yaml")
+    sweep.add_argument("--out", help="parent of the sweep directory (default: its output_dir)")
+    sweep.add_argument(
+        "--parallel", type=int, default=1, help="cells at once, each a `staleflow train` process"
+    )
+    sweep.add_argument("--address", help="run the cells on this Ray cluster ('auto', ray://...)")
+    sweep.add_argument("--dry-run", action="store_true", help="list the cells and exit")
+    sweep.add_argument(
+        "--report-only", action="store_true", help="rebuild the report from the cells so far"
+    )
+    sweep.set_defaults(func=_lazy("cmd_sweep"))
+
+    replay = sub.add_parser(
+        "replay",
+        help="retrain a run from its initial weights on exactly the groups each step consumed",
+        description="Rebuild the learner from RUN_DIR/config.json, feed it the recorded "
+        "sequence of groups (RUN_DIR/trajectories/) step by step, and compare its metrics "
+        "with the run's metrics.jsonl. Exit status 0 when every step reproduces, 1 if not.",
+    )
+    replay.add_argument("run_dir", help="a finished or stopped run directory")
+    replay.add_argument("--steps", type=int, help="replay only the first N steps")
+    replay.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance [1e-5]")
+    replay.add_argument("--atol", type=float, default=1e-7, help="absolute tolerance [1e-7]")
+    replay.set_defaults(func=_lazy("cmd_replay"))
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()

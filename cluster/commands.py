@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cmd_eval", "cmd_report", "cmd_scale", "cmd_train", "config_keys_help"]
+__all__ = [
+    "cmd_eval", "cmd_replay", "cmd_report", "cmd_scale", "cmd_sweep", "cmd_train",
+    "config_keys_help",
+]  # fmt: skip
 
 
 def config_keys_help() -> str:
@@ -199,3 +202,74 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
     for name, t in load_file(str(path / "model.safetensors")).items():
         arrays[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
     return int(trainer["steps"]), arrays
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from staleflow.cluster.sweep import load_sweep, run_sweep
+    from staleflow.cluster.sweep_report import write_sweep_report
+
+    if args.parallel < 1:
+        return _fail(f"--parallel must be at least 1, got {args.parallel}")
+    from staleflow.configs import ConfigError
+
+    try:
+        sweep = load_sweep(args.sweep_file, output_dir=args.out)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    if args.dry_run:
+        from staleflow.cluster.sweep import cell_status
+
+        for cell in sweep.cells:
+            print(f"{cell_status(sweep, cell):10s} {cell.name}  {' '.join(cell.overrides)}")
+        print(f"{len(sweep.cells)} cells -> {sweep.directory}")
+        return 0
+    if not args.report_only:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        total, done = len(sweep.cells), [0]
+        started = time.time()
+
+        def on_cell(cell: Any, status: str, summary: dict[str, Any] | None) -> None:
+            if status == "started":
+                print(f"[{done[0] + 1}/{total}] {cell.name} ...", flush=True)
+                return
+            done[0] += 1
+            accuracy = (summary or {}).get("accuracy_after")
+            tail = f", held-out accuracy {accuracy:.3f}" if isinstance(accuracy, float) else ""
+            minutes = (time.time() - started) / 60
+            print(
+                f"[{done[0]}/{total}] {cell.name}: {status}{tail} ({minutes:.1f} min)", flush=True
+            )
+
+        results = run_sweep(sweep, address=args.address, parallel=args.parallel, on_cell=on_cell)
+    else:
+        results = {}
+    if not (sweep.directory / "sweep.json").is_file():
+        return _fail(f"{sweep.directory} has no cells yet; run the sweep first")
+    report = write_sweep_report(sweep.directory)
+    print((sweep.directory / "summary.md").read_text(), end="")
+    print(f"report: {report}")
+    if any(s == "interrupted" for s in results.values()):
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    return 1 if any(s == "failed" for s in results.values()) else 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from staleflow.cluster.trajectories import ReplayError, replay
+
+    def on_step(step: int, metrics: dict[str, float]) -> None:
+        print(f"step {step}: loss {metrics['loss']:.6g}, grad_norm {metrics['grad_norm']:.6g}")
+
+    try:
+        result = replay(
+            args.run_dir, steps=args.steps, rtol=args.rtol, atol=args.atol, on_step=on_step
+        )
+    except (ReplayError, FileNotFoundError) as exc:
+        return _fail(str(exc))
+    worst = ", ".join(f"{k} {v:.1e}" for k, v in sorted(result.worst.items()))
+    print(f"replayed {result.steps} steps; largest relative differences: {worst}")
+    if result.ok:
+        print("every step reproduced the run's metrics")
+        return 0
+    print("\n".join(["MISMATCH:", *result.mismatches[:20]]))
+    return 1

@@ -1,0 +1,202 @@
+"""The combined report of a sweep, laid out like the paper's figures.
+
+One column per value of the `columns` axis (the sync setting), one line per value of the
+`lines` axis (the algorithm), the mean over every other axis (seeds) with a min-max band.
+Panels: training reward, held-out accuracy, clip fraction and KL(behaviour || policy) against
+the learner step. The summary table gives, per (column, line):
+
+- final: held-out accuracy at the last evaluation (mean over seeds);
+- auc: the area under the accuracy-vs-step curve divided by its step range (the mean
+  accuracy over training, trapezoid rule);
+- steps_to_threshold: the first evaluated step whose mean accuracy reaches `threshold`;
+- peak: the best mean accuracy, and collapse: True when the final accuracy is more than
+  COLLAPSE_DROP below the peak (the policy got worse and stayed worse).
+
+Written to <sweep dir>/: report.html, plots/*.png, summary.md, summary.csv, summary.json.
+`staleflow sweep SWEEP.yaml --report-only` rebuilds it from whatever cells have run.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from staleflow.cluster.rundir import read_metrics
+
+__all__ = ["COLLAPSE_DROP", "Curve", "summarize", "write_sweep_report"]
+
+COLLAPSE_DROP = 0.2
+
+PANELS = (
+    ("reward", "step", "reward_mean", "training reward"),
+    ("accuracy", "eval", "accuracy", "held-out accuracy"),
+    ("clip_frac", "step", "clip_frac", "clip fraction"),
+    ("kl", "step", "approx_kl", "KL(behaviour || policy)"),
+)
+
+
+class Curve:
+    """Mean and min-max band of one (column, line) over the runs it averages."""
+
+    def __init__(self, runs: list[list[dict[str, Any]]], kind: str, key: str) -> None:
+        per_run = []
+        for records in runs:
+            points = {
+                int(r["step"]): float(r[key])
+                for r in records
+                if r.get("kind") == kind and isinstance(r.get(key), (int, float))
+            }
+            if points:
+                per_run.append(points)
+        common = sorted(set.intersection(*(set(p) for p in per_run))) if per_run else []
+        values = np.array([[p[s] for s in common] for p in per_run], dtype=float)
+        values = values.reshape(len(per_run), len(common))
+        self.steps = np.array(common, dtype=float)
+        self.runs = len(per_run)
+        self.mean = values.mean(axis=0) if self.runs else np.zeros(0)
+        self.low = values.min(axis=0) if self.runs else np.zeros(0)
+        self.high = values.max(axis=0) if self.runs else np.zeros(0)
+
+
+def summarize(curve: Curve, threshold: float) -> dict[str, Any]:
+    """The table row of one accuracy curve (see the module docstring)."""
+    if curve.runs == 0 or len(curve.steps) == 0:
+        return {"runs": 0}
+    s, m = curve.steps, curve.mean
+    span = s[-1] - s[0]
+    auc = float(np.sum((m[1:] + m[:-1]) / 2 * np.diff(s)) / span) if span > 0 else float(m[0])
+    reached = [int(step) for step, v in zip(s, m, strict=True) if v >= threshold]
+    peak = float(m.max())
+    return {
+        "runs": curve.runs,
+        "initial": float(m[0]),
+        "final": float(m[-1]),
+        "peak": peak,
+        "auc": auc,
+        "steps_to_threshold": reached[0] if reached else None,
+        "collapse": bool(peak - m[-1] > COLLAPSE_DROP),
+    }
+
+
+def _load(directory: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    spec = json.loads((directory / "sweep.json").read_text())
+    records = {}
+    for cell in spec["cells"]:
+        metrics = directory / "runs" / cell["name"] / "metrics.jsonl"
+        if metrics.is_file():
+            records[cell["name"]] = list(read_metrics(metrics))
+    return spec, records
+
+
+def write_sweep_report(directory: str | Path) -> Path:
+    """Build the sweep's plots, tables and report.html from its cells' metrics."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory = Path(directory)
+    spec, records = _load(directory)
+    col_axis, line_axis = spec["columns"], spec["lines"]
+    columns = list(dict.fromkeys(c["labels"][col_axis] for c in spec["cells"]))
+    lines = list(dict.fromkeys(c["labels"][line_axis] for c in spec["cells"]))
+
+    def runs_of(column: str, line: str) -> list[list[dict[str, Any]]]:
+        return [
+            records[c["name"]]
+            for c in spec["cells"]
+            if c["labels"][col_axis] == column
+            and c["labels"][line_axis] == line
+            and c["name"] in records
+        ]
+
+    plots = directory / "plots"
+    plots.mkdir(exist_ok=True)
+    colors = plt.get_cmap("tab10")
+    for name, kind, key, ylabel in PANELS:
+        fig, axes = plt.subplots(
+            1, len(columns), figsize=(4.2 * len(columns), 3.6), sharey=True, squeeze=False
+        )
+        for ax, column in zip(axes[0], columns, strict=True):
+            for i, line in enumerate(lines):
+                curve = Curve(runs_of(column, line), kind, key)
+                if curve.runs == 0:
+                    continue
+                color = colors(i % 10)
+                ax.plot(curve.steps, curve.mean, label=line, color=color, lw=1.4)
+                if curve.runs > 1:
+                    ax.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.15)
+            ax.set_title(column)
+            ax.set_xlabel("learner step")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(ylabel)
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        if handles:
+            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
+            fig.subplots_adjust(bottom=0.32 if len(labels) > 5 else 0.24)
+        fig.savefig(plots / f"{name}.png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+
+    rows = []
+    for column in columns:
+        for line in lines:
+            row = summarize(Curve(runs_of(column, line), "eval", "accuracy"), spec["threshold"])
+            rows.append({col_axis: column, line_axis: line, **row})
+    (directory / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    fields = [col_axis, line_axis, "runs", "initial", "final", "peak", "auc"]
+    fields += ["steps_to_threshold", "collapse"]
+    with open(directory / "summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    (directory / "summary.md").write_text(_markdown(rows, fields, spec["threshold"]))
+    report = directory / "report.html"
+    report.write_text(_html(spec, rows, fields, directory.name))
+    return report
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else ""
+    if isinstance(value, float):
+        return "nan" if math.isnan(value) else f"{value:.3f}"
+    return str(value)
+
+
+def _markdown(rows: list[dict[str, Any]], fields: list[str], threshold: float) -> str:
+    head = [f if f != "steps_to_threshold" else f"steps to {threshold:g}" for f in fields]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(fields)]
+    out += ["| " + " | ".join(_fmt(r.get(f)) for f in fields) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def _html(spec: dict[str, Any], rows: list[dict[str, Any]], fields: list[str], name: str) -> str:
+    table = "<tr>" + "".join(f"<th>{html.escape(f)}</th>" for f in fields) + "</tr>"
+    for r in rows:
+        table += "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(f)))}</td>" for f in fields)
+        table += "</tr>"
+    figures = "".join(
+        f"<h2>{html.escape(label)}</h2><img src='plots/{n}.png' alt='{html.escape(label)}'>"
+        for n, _, _, label in PANELS
+    )
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>staleflow sweep {html.escape(name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}img{{max-width:100%}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px}}</style>
+</head><body>
+<h1>Sweep {html.escape(name)}</h1>
+<p>Base config {html.escape(spec["base"])}; columns: {html.escape(spec["columns"])}, lines:
+{html.escape(spec["lines"])}; mean over the other axes with a min-max band.
+Collapse: final accuracy more than {COLLAPSE_DROP} below the peak.</p>
+<table>{table}</table>
+{figures}
+</body></html>
+"""

@@ -1,0 +1,153 @@
+"""Sweep files, the sweep summary's arithmetic, and the trajectory log (no Ray needed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from staleflow.buffer.records import synthetic_groups
+from staleflow.cluster.sweep import SweepError, load_sweep
+from staleflow.cluster.sweep_report import Curve, summarize
+from staleflow.cluster.trajectories import TrajectoryLog, read_trajectories
+
+BASE = """
+model: {preset: tiny}
+task: {name: digits, chat_template: false}
+rollout: {num_workers: 1, prompts_per_batch: 2, group_size: 2, max_new_tokens: 4}
+learner: {loss: {name: rec-oneside-nois, epsilon_low: 0.6, epsilon_high: 2.0}}
+"""
+
+
+def sweep_file(tmp_path, body: str):
+    (tmp_path / "base.yaml").write_text(BASE)
+    path = tmp_path / "s.yaml"
+    path.write_text("base: base.yaml\n" + body)
+    return path
+
+
+def test_grid_is_the_product_of_the_axes(tmp_path):
+    path = sweep_file(
+        tmp_path,
+        """
+overrides: {run.steps: 3}
+grid:
+  sync: {onpolicy: {sync.interval: 1}, lag4: {sync.interval: 4, sync.offset: 0}}
+  algorithm: {grpo: {learner.loss: {name: grpo}}}
+  run.seed: [0, 7]
+""",
+    )
+    sweep = load_sweep(path, output_dir=tmp_path / "out")
+    assert [c.name for c in sweep.cells] == [
+        "onpolicy__grpo__seed-0",
+        "onpolicy__grpo__seed-7",
+        "lag4__grpo__seed-0",
+        "lag4__grpo__seed-7",
+    ]
+    assert (sweep.columns, sweep.lines) == ("sync", "algorithm")  # the first two axes
+    assert sweep.directory == tmp_path / "out" / "s"
+    cfg = sweep.config(sweep.cells[3])
+    assert (cfg.sync.interval, cfg.run.seed, cfg.run.steps) == (4, 7, 3)
+    # a mapping value replaces the section: grpo does not inherit the base's (0.6, 2.0)
+    assert (cfg.learner.loss.name, cfg.learner.loss.epsilon_high) == ("grpo", 0.2)
+    assert cfg.run.name == "lag4__grpo__seed-7"
+    assert cfg.run.output_dir == str(tmp_path / "out" / "s" / "runs")
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("grid: {a: [1]}\ncolour: red\n", r"unknown key\(s\) \['colour'\]"),
+        ("grid: {sync: 3}\n", "give a list of values"),
+        ("grid: {run.seed: []}\n", "empty"),
+        ("grid: {sync: {x: [1, 2]}}\n", "expected a mapping of dotted config keys"),
+        ("grid: {run.seed: [0]}\ncolumns: sync\n", "columns: 'sync' is not an axis"),
+        ("grid: {run.seed: [0]}\nthreshold: high\n", "threshold: must be a number"),
+        ("grid: {sync: {bad: {sync.interval: 0}}}\n", r"(?s)cell bad: .*sync\.interval"),
+        # YAML reads an unquoted on / off / yes / no as a boolean, which is no label
+        ("grid: {sync: {on: {sync.interval: 1}}}\n", "label True is not a string"),
+        # lockstep with a bound below the schedule's worst lag cannot run: refused up front
+        (
+            "grid: {sync: {i4: {sync.mode: lockstep, sync.interval: 4, "
+            "buffer.max_staleness: 1}}}\n",
+            r"(?s)cell i4: .*lag",
+        ),
+    ],
+)
+def test_bad_sweep_files_are_refused_with_the_reason(tmp_path, body, message):
+    with pytest.raises(SweepError, match=message):
+        load_sweep(sweep_file(tmp_path, body))
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(SweepError, match="sweep file not found"):
+        load_sweep(tmp_path / "nope.yaml")
+    path = tmp_path / "s.yaml"
+    path.write_text("base: missing.yaml\ngrid: {run.seed: [0]}\n")
+    with pytest.raises(SweepError, match=r"base config .*missing\.yaml not found"):
+        load_sweep(path)
+
+
+def runs(*curves):
+    return [[{"kind": "eval", "step": s, "accuracy": a} for s, a in c] for c in curves]
+
+
+def test_curve_is_the_mean_with_a_min_max_band_over_runs():
+    # two seeds evaluated at steps 0, 10, 20 (the second also at 5: not common, left out)
+    curve = Curve(
+        runs([(0, 0.1), (10, 0.5), (20, 0.6)], [(0, 0.3), (5, 0.9), (10, 0.7), (20, 0.2)]),
+        "eval",
+        "accuracy",
+    )
+    assert curve.runs == 2
+    assert curve.steps.tolist() == [0, 10, 20]
+    assert np.allclose(curve.mean, [0.2, 0.6, 0.4])  # (0.1+0.3)/2, (0.5+0.7)/2, (0.6+0.2)/2
+    assert np.allclose(curve.low, [0.1, 0.5, 0.2])
+    assert np.allclose(curve.high, [0.3, 0.7, 0.6])
+
+
+def test_summary_row_by_hand():
+    # accuracy 0.2 @0, 0.6 @10, 0.4 @20 (one run)
+    curve = Curve(runs([(0, 0.2), (10, 0.6), (20, 0.4)]), "eval", "accuracy")
+    row = summarize(curve, threshold=0.5)
+    # trapezoids: (0.2+0.6)/2*10 = 4.0, (0.6+0.4)/2*10 = 5.0; area 9.0 over 20 steps = 0.45
+    assert row["auc"] == pytest.approx(0.45)
+    assert row["steps_to_threshold"] == 10  # first step with accuracy >= 0.5
+    assert (row["initial"], row["final"], row["peak"]) == (0.2, 0.4, 0.6)
+    assert row["collapse"] is False  # 0.6 - 0.4 = 0.2, not more than COLLAPSE_DROP (0.2)
+    collapsed = summarize(Curve(runs([(0, 0.2), (10, 0.7), (20, 0.4)]), "eval", "accuracy"), 0.9)
+    assert collapsed["collapse"] is True  # 0.7 - 0.4 = 0.3 > 0.2
+    assert collapsed["steps_to_threshold"] is None  # never reached 0.9
+    assert summarize(Curve([], "eval", "accuracy"), 0.5) == {"runs": 0}
+
+
+def test_trajectory_log_round_trip_stores_each_group_once(tmp_path):
+    groups = synthetic_groups(3, k=2, seed=1)
+    log = TrajectoryLog(tmp_path)
+    log.record(1, 0, [groups[0], groups[1]])
+    log.record(2, 1, [groups[1], groups[2]])  # groups[1] reused: stored once
+    log.close()
+    steps, stored = read_trajectories(tmp_path)
+    assert [s["groups"] for s in steps] == [
+        [
+            [groups[0].group_id, groups[0].policy_version],
+            [groups[1].group_id, groups[1].policy_version],
+        ],
+        [
+            [groups[1].group_id, groups[1].policy_version],
+            [groups[2].group_id, groups[2].policy_version],
+        ],
+    ]
+    assert [s["learner_version"] for s in steps] == [0, 1]
+    assert set(stored) == {g.group_id for g in groups}
+    assert all(stored[g.group_id] == g for g in groups)
+    # a crash mid-write tears the last records: everything before them still reads back
+    with open(tmp_path / "groups.bin", "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00\x00\x00partial")
+    with open(tmp_path / "steps.jsonl", "a") as f:
+        f.write('{"step": 3, "lear')
+    steps, stored = read_trajectories(tmp_path)
+    assert len(steps) == 2
+    assert len(stored) == 3
+    assert json.loads(json.dumps(steps[0]))["step"] == 1
