@@ -224,7 +224,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{len(sweep.cells)} cells -> {sweep.directory}")
         return 0
     if not args.report_only:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        # one line per cell here; each run's full log is in its logs/driver.log
+        logging.getLogger().addHandler(_stderr_warnings())
         total, done = len(sweep.cells), [0]
         started = time.time()
 

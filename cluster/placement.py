@@ -30,15 +30,16 @@ __all__ = ["LearnerGroup", "LearnerRank", "WorkerPool", "learner_threads", "star
 logger = logging.getLogger(__name__)
 
 
-def start_ray(address: str | None, cfg: Any = None) -> None:
+def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) -> None:
     """Join the cluster at `address` ('auto', 'ray://host:port', 'host:port') or start a local
-    one on the loopback interface. A local one gets the machine's CPUs, or what the run
+    one on the loopback interface (actors' logs are echoed here unless `log_to_driver` is
+    False). A local one gets the machine's CPUs, or what the run
     reserves if that is more, plus `SCALE_HEADROOM` so `staleflow scale` can add workers (Ray
     CPUs are a scheduling count: the OS shares the cores)."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
+    kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "include_dashboard": False}
     if address:
         ray.init(address=address, **kwargs)
         return

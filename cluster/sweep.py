@@ -285,7 +285,7 @@ def _run_in_process(
     configs = [sweep.config(c) for c in todo]
     started = not ray.is_initialized() and not address
     widest = max(configs, key=lambda c: c.rollout.num_workers * c.rollout.cpus_per_worker)
-    start_ray(address, widest)
+    start_ray(address, widest, log_to_driver=False)  # each cell's log is in its run directory
     try:
         for cell, cfg in zip(todo, configs, strict=True):
             if on_cell is not None:
@@ -318,7 +318,7 @@ def _run_processes(
 
     started = not ray.is_initialized() and not address
     configs = [sweep.config(c) for c in todo]
-    start_ray(address, configs[0])
+    start_ray(address, configs[0], log_to_driver=False)
     join = address or ray.get_runtime_context().gcs_address
     results: dict[str, str] = {}
     running: dict[str, tuple[Cell, subprocess.Popen[bytes], Any]] = {}

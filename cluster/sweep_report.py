@@ -10,7 +10,13 @@ the learner step. The summary table gives, per (column, line):
   accuracy over training, trapezoid rule);
 - steps_to_threshold: the first evaluated step whose mean accuracy reaches `threshold`;
 - peak: the best mean accuracy, and collapse: True when the final accuracy is more than
-  COLLAPSE_DROP below the peak (the policy got worse and stayed worse).
+  COLLAPSE_DROP below the peak (the policy got worse and stayed worse);
+- reward_initial / reward_final / reward_auc: the same for the held-out mean reward, which
+  also moves when accuracy is a hard threshold (the tiny model's all-digit answers).
+
+The training-reward panel shows the reward of the groups each step trained on, that is of
+the policy that sampled them: in the offline column it stays the initial policy's by design,
+and only the held-out panels show what the learner learned.
 
 Written to <sweep dir>/: report.html, plots/*.png, summary.md, summary.csv, summary.json.
 `staleflow sweep SWEEP.yaml --report-only` rebuilds it from whatever cells have run.
@@ -36,6 +42,7 @@ COLLAPSE_DROP = 0.2
 PANELS = (
     ("reward", "step", "reward_mean", "training reward"),
     ("accuracy", "eval", "accuracy", "held-out accuracy"),
+    ("eval_reward", "eval", "reward_mean", "held-out reward"),
     ("clip_frac", "step", "clip_frac", "clip fraction"),
     ("kl", "step", "approx_kl", "KL(behaviour || policy)"),
 )
@@ -147,10 +154,12 @@ def write_sweep_report(directory: str | Path) -> Path:
     for column in columns:
         for line in lines:
             row = summarize(Curve(runs_of(column, line), "eval", "accuracy"), spec["threshold"])
+            reward = summarize(Curve(runs_of(column, line), "eval", "reward_mean"), math.inf)
+            row.update({f"reward_{k}": reward.get(k) for k in ("initial", "final", "auc")})
             rows.append({col_axis: column, line_axis: line, **row})
     (directory / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     fields = [col_axis, line_axis, "runs", "initial", "final", "peak", "auc"]
-    fields += ["steps_to_threshold", "collapse"]
+    fields += ["steps_to_threshold", "collapse", "reward_initial", "reward_final", "reward_auc"]
     with open(directory / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

@@ -170,7 +170,7 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
         assert [r["lag_max"] for r in steps] == expected
     report = write_sweep_report(sweep.directory)
     assert report.is_file()
-    for name in ("reward", "accuracy", "clip_frac", "kl"):
+    for name in ("reward", "accuracy", "eval_reward", "clip_frac", "kl"):
         assert (sweep.directory / "plots" / f"{name}.png").stat().st_size > 1000
     rows = json.loads((sweep.directory / "summary.json").read_text())
     assert {(r["sync"], r["algorithm"]) for r in rows} == {
