@@ -241,7 +241,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                 f"[{done[0]}/{total}] {cell.name}: {status}{tail} ({minutes:.1f} min)", flush=True
             )
 
-        results = run_sweep(sweep, address=args.address, parallel=args.parallel, on_cell=on_cell)
+        try:
+            results = run_sweep(
+                sweep, address=args.address, parallel=args.parallel, on_cell=on_cell
+            )
+        except KeyboardInterrupt:  # between cells (a cell's own Ctrl-C stops it cleanly)
+            results = {"": "interrupted"}
     else:
         results = {}
     if not (sweep.directory / "sweep.json").is_file():

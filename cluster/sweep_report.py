@@ -19,7 +19,8 @@ the policy that sampled them: in the offline column it stays the initial policy'
 and only the held-out panels show what the learner learned.
 
 Written to <sweep dir>/: report.html, plots/*.png, summary.md, summary.csv, summary.json.
-`staleflow sweep SWEEP.yaml --report-only` rebuilds it from whatever cells have run.
+`staleflow sweep SWEEP.yaml --report-only` rebuilds it from the cells completed so far
+(a table row with runs = 0 is a cell that has not completed).
 """
 
 from __future__ import annotations
@@ -94,10 +95,14 @@ def summarize(curve: Curve, threshold: float) -> dict[str, Any]:
 def _load(directory: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
     spec = json.loads((directory / "sweep.json").read_text())
     records = {}
-    for cell in spec["cells"]:
-        metrics = directory / "runs" / cell["name"] / "metrics.jsonl"
-        if metrics.is_file():
-            records[cell["name"]] = list(read_metrics(metrics))
+    for cell in spec["cells"]:  # completed cells only: a half-run cell would skew the means
+        run = directory / "runs" / cell["name"]
+        try:
+            completed = json.loads((run / "summary.json").read_text())["status"] == "completed"
+        except (OSError, ValueError, KeyError):
+            completed = False
+        if completed:
+            records[cell["name"]] = list(read_metrics(run / "metrics.jsonl"))
     return spec, records
 
 

@@ -192,6 +192,9 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
 
     # resumable: completed cells are skipped; an incomplete one is set aside and rerun
     (sweep.runs / "offline__grpo" / "summary.json").unlink()
+    write_sweep_report(sweep.directory)  # a cell that did not complete is left out
+    rows = json.loads((sweep.directory / "summary.json").read_text())
+    assert [r["runs"] for r in rows if r["algorithm"] == "grpo" and r["sync"] == "offline"] == [0]
     results = run_sweep(load_sweep(write_sweep(tmp_path)))
     assert results["offline__grpo"] == "completed"
     assert all(results[n] == "skipped (completed)" for n in names[:3])
