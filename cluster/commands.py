@@ -205,20 +205,17 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from staleflow.cluster.sweep import load_sweep, run_sweep
+    from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep
     from staleflow.cluster.sweep_report import write_sweep_report
+    from staleflow.configs import ConfigError
 
     if args.parallel < 1:
         return _fail(f"--parallel must be at least 1, got {args.parallel}")
-    from staleflow.configs import ConfigError
-
     try:
         sweep = load_sweep(args.sweep_file, output_dir=args.out)
     except ConfigError as exc:
         return _fail(str(exc))
     if args.dry_run:
-        from staleflow.cluster.sweep import cell_status
-
         for cell in sweep.cells:
             print(f"{cell_status(sweep, cell):10s} {cell.name}  {' '.join(cell.overrides)}")
         print(f"{len(sweep.cells)} cells -> {sweep.directory}")

@@ -28,14 +28,16 @@ processes joining the same Ray cluster.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import re
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,10 @@ import yaml
 
 from staleflow.configs.loader import ConfigError
 
-__all__ = ["Cell", "Sweep", "SweepError", "load_sweep", "run_sweep"]
+__all__ = [
+    "Cell", "Sweep", "SweepError", "cell_status", "load_sweep", "read_summary", "run_status",
+    "run_sweep",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -77,20 +82,29 @@ class Sweep:
     lines: str
     threshold: float = 0.5
     cells: list[Cell] = field(default_factory=list)
+    configs: dict[str, Any] = field(default_factory=dict)  # cell name -> resolved config
 
     @property
     def runs(self) -> Path:
         return self.directory / "runs"
 
     def config(self, cell: Cell) -> Any:
-        """The cell's resolved run config (its run name and directory set by the sweep)."""
-        from staleflow.configs import load_config
+        """The cell's resolved run config (its run name and directory set by the sweep),
+        loaded and checked once by `load_sweep`."""
+        return self.configs[cell.name]
 
-        placement = (f"run.name={cell.name}", f"run.output_dir={self.runs}")
-        try:
-            return load_config(self.base, (*self.overrides, *cell.overrides, *placement))
-        except ConfigError as exc:
-            raise SweepError(f"{self.source}: cell {cell.name}: {exc}") from None
+
+def _cell_config(sweep: Sweep, cell: Cell) -> Any:
+    from staleflow.cluster.driver import check_schedule
+    from staleflow.configs import load_config
+
+    placement = (f"run.name={cell.name}", f"run.output_dir={sweep.runs}")
+    try:
+        cfg = load_config(sweep.base, (*sweep.overrides, *cell.overrides, *placement))
+        check_schedule(cfg)
+    except ConfigError as exc:
+        raise SweepError(f"{sweep.source}: cell {cell.name}: {exc}") from None
+    return cfg
 
 
 def _as_overrides(values: Any, where: str) -> tuple[str, ...]:
@@ -192,26 +206,31 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         if not _NAME.match(cell_name):
             raise SweepError(f"{path}: cell name {cell_name!r} is not a valid run name")
         overrides = tuple(o for _, os_ in combo for o in os_)
-        sweep.cells.append(Cell(cell_name, labels, overrides))
-    from staleflow.cluster.driver import check_schedule
-
-    for cell in sweep.cells:
-        cfg = sweep.config(cell)
-        try:
-            check_schedule(cfg)
-        except ConfigError as exc:
-            raise SweepError(f"{path}: cell {cell.name}: {exc}") from None
+        cell = Cell(cell_name, labels, overrides)
+        sweep.cells.append(cell)
+        sweep.configs[cell_name] = _cell_config(sweep, cell)
     return sweep
 
 
-def cell_status(sweep: Sweep, cell: Cell) -> str:
-    """ "completed", "incomplete" (a directory without a completed summary) or "new"."""
-    run = sweep.runs / cell.name
+def read_summary(run: Path) -> dict[str, Any] | None:
+    """A run directory's summary.json, or None while it has none (or a torn one)."""
     try:
-        status = json.loads((run / "summary.json").read_text())["status"]
-    except (OSError, ValueError, KeyError):
-        return "incomplete" if run.exists() else "new"
-    return "completed" if status == "completed" else "incomplete"
+        data = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def run_status(run: Path) -> str:
+    """ "completed", "incomplete" (a directory without a completed summary) or "new"."""
+    summary = read_summary(run)
+    if summary is not None and summary.get("status") == "completed":
+        return "completed"
+    return "incomplete" if run.exists() else "new"
+
+
+def cell_status(sweep: Sweep, cell: Cell) -> str:
+    return run_status(sweep.runs / cell.name)
 
 
 def _set_aside(sweep: Sweep, cell: Cell) -> None:
@@ -271,29 +290,42 @@ def run_sweep(
     return results
 
 
+@contextlib.contextmanager
+def _ray_for(sweep: Sweep, todo: list[Cell], address: str | None) -> Iterator[None]:
+    """Join `address`, or start a local Ray sized for the widest cell and stop it after."""
+    import ray
+
+    from staleflow.cluster.placement import start_ray
+
+    started = not ray.is_initialized() and not address
+    widest = max(
+        (sweep.config(c) for c in todo),
+        key=lambda c: c.rollout.num_workers * c.rollout.cpus_per_worker,
+    )
+    start_ray(address, widest, log_to_driver=False)  # each cell's log is in its run directory
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def _run_in_process(
     sweep: Sweep, todo: list[Cell], address: str | None, on_cell: Any
 ) -> dict[str, str]:
     """Cells one after another, sharing one Ray instance (started once, stopped at the end)."""
-    import ray
-
     from staleflow.cluster.driver import Driver
-    from staleflow.cluster.placement import start_ray
     from staleflow.cluster.rundir import RunDir
 
     results: dict[str, str] = {}
-    configs = [sweep.config(c) for c in todo]
-    started = not ray.is_initialized() and not address
-    widest = max(configs, key=lambda c: c.rollout.num_workers * c.rollout.cpus_per_worker)
-    start_ray(address, widest, log_to_driver=False)  # each cell's log is in its run directory
-    try:
-        for cell, cfg in zip(todo, configs, strict=True):
+    with _ray_for(sweep, todo, address):
+        for cell in todo:
             if on_cell is not None:
                 on_cell(cell, "started", None)
             run = RunDir.create(str(sweep.runs), cell.name)
             handler = run.attach_log()
             try:
-                summary = Driver(cfg, run, address=address).run()
+                summary = Driver(sweep.config(cell), run, address=address).run()
             finally:
                 logging.getLogger().removeHandler(handler)
             results[cell.name] = summary["status"]
@@ -301,9 +333,6 @@ def _run_in_process(
                 on_cell(cell, summary["status"], summary)
             if summary["status"] == "interrupted":
                 break
-    finally:
-        if started:
-            ray.shutdown()
     return results
 
 
@@ -314,56 +343,42 @@ def _run_processes(
     (the given address, or a local one this process starts and the cells join)."""
     import ray
 
-    from staleflow.cluster.placement import start_ray
-
-    started = not ray.is_initialized() and not address
-    configs = [sweep.config(c) for c in todo]
-    start_ray(address, configs[0], log_to_driver=False)
-    join = address or ray.get_runtime_context().gcs_address
     results: dict[str, str] = {}
     running: dict[str, tuple[Cell, subprocess.Popen[bytes], Any]] = {}
     queue = list(todo)
     logs = sweep.directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    try:
-        while queue or running:
-            while queue and len(running) < parallel:
-                cell = queue.pop(0)
-                argv = [
-                    sys.executable, "-m", "staleflow.cluster.cli", "train", str(sweep.base),
-                    *sweep.overrides, *cell.overrides,
-                    f"run.name={cell.name}", f"run.output_dir={sweep.runs}", "--address", join,
-                ]  # fmt: skip
-                out = open(logs / f"{cell.name}.out", "wb")  # noqa: SIM115
-                running[cell.name] = (cell, subprocess.Popen(argv, stdout=out, stderr=out), out)
-                if on_cell is not None:
-                    on_cell(cell, "started", None)
-            time.sleep(0.5)
-            for name, (cell, proc, out) in list(running.items()):
-                if proc.poll() is None:
-                    continue
+    with _ray_for(sweep, todo, address):
+        join = address or ray.get_runtime_context().gcs_address
+        try:
+            while queue or running:
+                while queue and len(running) < parallel:
+                    cell = queue.pop(0)
+                    argv = [
+                        sys.executable, "-m", "staleflow.cluster.cli", "train", str(sweep.base),
+                        *sweep.overrides, *cell.overrides, f"run.name={cell.name}",
+                        f"run.output_dir={sweep.runs}", "--address", join,
+                    ]  # fmt: skip
+                    out = open(logs / f"{cell.name}.out", "wb")  # noqa: SIM115
+                    proc = subprocess.Popen(argv, stdout=out, stderr=out)
+                    running[cell.name] = (cell, proc, out)
+                    if on_cell is not None:
+                        on_cell(cell, "started", None)
+                time.sleep(0.5)
+                for name, (cell, proc, out) in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    out.close()
+                    del running[name]
+                    status = {0: "completed", 130: "interrupted"}.get(proc.returncode, "failed")
+                    results[name] = status
+                    if on_cell is not None:
+                        on_cell(cell, status, read_summary(sweep.runs / cell.name))
+        except KeyboardInterrupt:
+            for _, proc, _ in running.values():
+                proc.send_signal(signal.SIGINT)  # each run stops cleanly, as on a terminal
+            for name, (_, proc, out) in running.items():
+                proc.wait()
                 out.close()
-                del running[name]
-                status = {0: "completed", 130: "interrupted"}.get(proc.returncode, "failed")
-                results[name] = status
-                if on_cell is not None:
-                    on_cell(cell, status, _summary(sweep, cell))
-    except KeyboardInterrupt:
-        for _, proc, _ in running.values():
-            proc.send_signal(2)  # each run stops cleanly, as on a terminal
-        for name, (_, proc, out) in running.items():
-            proc.wait()
-            out.close()
-            results[name] = "interrupted"
-    finally:
-        if started:
-            ray.shutdown()
+                results[name] = "interrupted"
     return results
-
-
-def _summary(sweep: Sweep, cell: Cell) -> dict[str, Any] | None:
-    try:
-        data: dict[str, Any] = json.loads((sweep.runs / cell.name / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return data

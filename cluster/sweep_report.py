@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from staleflow.cluster.rundir import read_metrics
+from staleflow.cluster.sweep import run_status
 
 __all__ = ["COLLAPSE_DROP", "Curve", "summarize", "write_sweep_report"]
 
@@ -97,11 +98,7 @@ def _load(directory: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any
     records = {}
     for cell in spec["cells"]:  # completed cells only: a half-run cell would skew the means
         run = directory / "runs" / cell["name"]
-        try:
-            completed = json.loads((run / "summary.json").read_text())["status"] == "completed"
-        except (OSError, ValueError, KeyError):
-            completed = False
-        if completed:
+        if run_status(run) == "completed":
             records[cell["name"]] = list(read_metrics(run / "metrics.jsonl"))
     return spec, records
 

@@ -113,17 +113,14 @@ def _read_groups(path: Path) -> Iterator[Group]:
 
 def _single_rank_environment() -> None:
     """Replay is one rank of its own: never the rank variables or port a caller inherited
-    from (or shares with) another process group."""
-    import socket
-
+    from (or shares with) another process group. Without MASTER_PORT, `ensure_distributed`
+    picks a free one."""
     import deepspeed
 
     if deepspeed.comm.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_PORT=str(port))
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.pop("MASTER_PORT", None)
 
 
 @dataclass
@@ -155,9 +152,7 @@ def replay(
     from staleflow.configs import parse_config
     from staleflow.learner.learner import Learner
 
-    run = RunDir(Path(run_dir))
-    if not run.config.exists():
-        raise ReplayError(f"{run.path} is not a run directory (no config.json)")
+    run = RunDir(Path(run_dir)).check_exists()
     cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
     recorded, groups = read_trajectories(run.trajectories)
     logged = {int(r["step"]): r for r in read_metrics(run.metrics) if r.get("kind") == "step"}
