@@ -11,24 +11,24 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.cluster.driver import Driver
 from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.sweep import load_sweep, run_sweep
 from staleflow.cluster.sweep_report import write_sweep_report
 from staleflow.cluster.trajectories import read_trajectories, replay
-from staleflow.configs import parse_config
+from tests.integration.tiny import TINY, run_driver
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 
-TINY = """
-model: {preset: tiny}
-task: {name: digits, chat_template: false, eval_prompts: 0}
-rollout: {num_workers: 2, prompts_per_batch: 2, group_size: 4, max_new_tokens: 4}
-learner: {optimizer: {lr: 1.0e-3}, loss: {name: rec-oneside-nois}}
-run: {tensorboard: false}
-"""
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "staleflow.cluster.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # ----------------------------------------------------------------------------- replay
@@ -38,19 +38,14 @@ run: {tensorboard: false}
 def async_run(tmp_path_factory, ray_local):
     """An async run with real lag: one free-running worker, max_staleness 1, 8 steps (lag 1
     from step 2 on, see test_system)."""
-    tmp = tmp_path_factory.mktemp("async")
-    cfg = parse_config(
-        TINY,
-        [
-            f"run.output_dir={tmp}",
-            "sync.mode=async",
-            "buffer.max_staleness=1",
-            "rollout.num_workers=1",
-            "run.steps=8",
-        ],
+    _, run, summary, _ = run_driver(
+        tmp_path_factory.mktemp("async"),
+        "sync.mode=async",
+        "buffer.max_staleness=1",
+        "rollout.num_workers=1",
+        "rollout.group_size=4",  # a group of 2 often has equal rewards: no gradient at all
+        "run.steps=8",
     )
-    run = RunDir.create(str(tmp), "async")
-    summary = Driver(cfg, run).run()
     assert summary["status"] == "completed"
     return run
 
@@ -99,12 +94,7 @@ def test_replay_detects_a_changed_sequence(async_run, tmp_path):
     assert not result.ok
     assert result.mismatches[0].startswith("step 3:")
     # the CLI says the same with its exit status
-    proc = subprocess.run(
-        [sys.executable, "-m", "staleflow.cluster.cli", "replay", str(copy), "--steps", "3"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli("replay", str(copy), "--steps", "3", timeout=300)
     assert proc.returncode == 1, proc.stderr
     assert "MISMATCH" in proc.stdout
     assert "step 3:" in proc.stdout
@@ -113,12 +103,7 @@ def test_replay_detects_a_changed_sequence(async_run, tmp_path):
 def test_replay_refuses_a_run_without_trajectories(tmp_path):
     run = RunDir.create(str(tmp_path), "bare")
     run.config.write_text(json.dumps({"model": {"preset": "tiny"}}))
-    proc = subprocess.run(
-        [sys.executable, "-m", "staleflow.cluster.cli", "replay", str(run.path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("replay", str(run.path))
     assert proc.returncode == 2
     assert "no recorded trajectories" in proc.stderr
 
@@ -135,7 +120,9 @@ def write_sweep(tmp_path: Path) -> Path:
 name: grid
 base: base.yaml
 output_dir: {tmp_path / "out"}
-overrides: {{run.steps: 4, run.eval_every: 2, task.eval_prompts: 4, sync.mode: lockstep}}
+overrides:
+  {{rollout.group_size: 4, run.steps: 4, run.eval_every: 2, task.eval_prompts: 4,
+    sync.mode: lockstep}}
 threshold: 0.3
 grid:
   sync:
@@ -219,22 +206,12 @@ def test_sweep_cells_in_parallel_join_one_ray_cluster(tmp_path, ray_local):
 
 def test_sweep_cli_lists_cells_and_refuses_a_bad_cell(tmp_path):
     sweep = write_sweep(tmp_path)
-    proc = subprocess.run(
-        [sys.executable, "-m", "staleflow.cluster.cli", "sweep", str(sweep), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("sweep", str(sweep), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "4 cells" in proc.stdout
     assert "new        offline__grpo" in proc.stdout
     sweep.write_text(sweep.read_text().replace("name: grpo", "name: grop"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "staleflow.cluster.cli", "sweep", str(sweep)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = cli("sweep", str(sweep))
     assert proc.returncode == 2
     assert "cell onpolicy__grpo" in proc.stderr
     assert "grop" in proc.stderr

@@ -17,34 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.cluster.driver import Driver, ScheduleError, check_schedule
-from staleflow.cluster.rundir import RunDir, read_metrics
+from staleflow.cluster.driver import ScheduleError, check_schedule
+from staleflow.cluster.rundir import read_metrics
 from staleflow.cluster.schedule import lag
 from staleflow.configs import parse_config
+from tests.integration.tiny import TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-
-# Small and fast: 2 prompts x 2 samples x 4 tokens per batch, no evaluation unless asked.
-TINY = """
-model: {preset: tiny}
-task: {name: digits, chat_template: false, eval_prompts: 0}
-rollout: {num_workers: 2, prompts_per_batch: 2, group_size: 2, max_new_tokens: 4}
-learner: {optimizer: {lr: 1.0e-3}, loss: {name: rec-oneside-nois}}
-run: {tensorboard: false}
-"""
-
-
-def run_driver(tmp_path: Path, *overrides: str, text: str = TINY):
-    cfg = parse_config(text, [f"run.output_dir={tmp_path}", *overrides])
-    run = RunDir.create(str(tmp_path), cfg.run.name or "run")
-    summary = Driver(cfg, run).run()
-    return cfg, run, summary, list(read_metrics(run.metrics))
-
-
-def steps_of(records):
-    return [r for r in records if r["kind"] == "step"]
 
 
 def assert_reconciled(summary):
