@@ -12,7 +12,9 @@ the learner step. The summary table gives, per (column, line):
 - peak: the best mean accuracy, and collapse: True when the final accuracy is more than
   COLLAPSE_DROP below the peak (the policy got worse and stayed worse);
 - reward_initial / reward_final / reward_auc: the same for the held-out mean reward, which
-  also moves when accuracy is a hard threshold (the tiny model's all-digit answers).
+  also moves when accuracy is a hard threshold (the tiny model's all-digit answers);
+- kl_last / entropy_last: KL(behaviour || policy) and the policy's entropy, averaged over the
+  last TAIL_STEPS learner steps (how far each method moved from the data it trained on).
 
 The training-reward panel shows the reward of the groups each step trained on, that is of
 the policy that sampled them: in the offline column it stays the initial policy's by design,
@@ -37,9 +39,10 @@ import numpy as np
 from staleflow.cluster.rundir import read_metrics
 from staleflow.cluster.sweep import run_status
 
-__all__ = ["COLLAPSE_DROP", "Curve", "summarize", "write_sweep_report"]
+__all__ = ["COLLAPSE_DROP", "TAIL_STEPS", "Curve", "summarize", "write_sweep_report"]
 
 COLLAPSE_DROP = 0.2
+TAIL_STEPS = 5
 
 PANELS = (
     ("reward", "step", "reward_mean", "training reward"),
@@ -158,10 +161,14 @@ def write_sweep_report(directory: str | Path) -> Path:
             row = summarize(Curve(runs_of(column, line), "eval", "accuracy"), spec["threshold"])
             reward = summarize(Curve(runs_of(column, line), "eval", "reward_mean"), math.inf)
             row.update({f"reward_{k}": reward.get(k) for k in ("initial", "final", "auc")})
+            for name, key in (("kl_last", "approx_kl"), ("entropy_last", "entropy")):
+                tail = Curve(runs_of(column, line), "step", key).mean[-TAIL_STEPS:]
+                row[name] = float(tail.mean()) if len(tail) else None
             rows.append({col_axis: column, line_axis: line, **row})
     (directory / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     fields = [col_axis, line_axis, "runs", "initial", "final", "peak", "auc"]
     fields += ["steps_to_threshold", "collapse", "reward_initial", "reward_final", "reward_auc"]
+    fields += ["kl_last", "entropy_last"]
     with open(directory / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

@@ -164,13 +164,12 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
         (s, a) for s in ("onpolicy", "offline") for a in ("reinforce", "grpo")
     }
     for row in rows:  # evaluations at steps 0, 2, 4 of one seed each
-        evals = [
-            r["accuracy"]
-            for r in read_metrics(
-                sweep.runs / f"{row['sync']}__{row['algorithm']}" / "metrics.jsonl"
-            )
-            if r["kind"] == "eval"
-        ]
+        records = list(
+            read_metrics(sweep.runs / f"{row['sync']}__{row['algorithm']}" / "metrics.jsonl")
+        )
+        evals = [r["accuracy"] for r in records if r["kind"] == "eval"]
+        kls = [r["approx_kl"] for r in records if r["kind"] == "step"]
+        assert row["kl_last"] == pytest.approx(sum(kls) / len(kls))  # 4 steps, all in the tail
         assert row["runs"] == 1
         assert len(evals) == 3
         assert row["final"] == evals[-1]
