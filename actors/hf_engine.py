@@ -39,6 +39,7 @@ class HFEngine:
             eos_token_id=self.eos_id, pad_token_id=self.pad_id, bos_token_id=tokenizer.bos_token_id
         )
         self._params = dict(model.state_dict(keep_vars=True))
+        self._sync_group: Any = None
 
     @property
     def version(self) -> int:
@@ -110,6 +111,24 @@ class HFEngine:
     def load_weights(self, weights: WeightsUpdate, version: int) -> None:
         load_named_arrays(self._params, weights)
         self._version = version
+
+    def join_sync_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join the learner's broadcast group (staleflow.learner.sync_group) as `rank`."""
+        from staleflow.learner.sync_group import SyncGroup
+
+        if self._sync_group is not None:
+            self._sync_group.close()
+        self._sync_group = SyncGroup.open(backend, host, port, rank, world_size, timeout_s)
+
+    def receive_broadcast(self, layouts: list[Any], version: int) -> None:
+        """Receive one broadcast update straight into the model's parameters."""
+        from staleflow.learner.publish import broadcast_receive
+
+        if self._sync_group is None:
+            raise RuntimeError("receive_broadcast before join_sync_group")
+        self.load_weights(broadcast_receive(self._sync_group, layouts), version)
 
     # ------------------------------------------------------------------------- internals
 
@@ -198,9 +217,12 @@ def load_named_arrays(params: dict[str, torch.Tensor], weights: WeightsUpdate) -
             if target is None:
                 known = ", ".join(sorted(params)[:5])
                 raise KeyError(f"unknown parameter {name!r} (the model has e.g. {known}, ...)")
-            with warnings.catch_warnings():  # read-only arrays (the object store's) are only read
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                source = torch.from_numpy(np.ascontiguousarray(array))
+            if isinstance(array, torch.Tensor):  # received by broadcast, maybe on the GPU
+                source = array
+            else:
+                with warnings.catch_warnings():  # read-only arrays (object store's) are only read
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writ")
+                    source = torch.from_numpy(np.ascontiguousarray(array))
             if source.dtype == torch.int16:
                 source = source.view(torch.bfloat16)
             if tuple(source.shape) != tuple(target.shape):

@@ -18,13 +18,19 @@ from typing import Any
 import numpy as np
 
 from staleflow.actors.engine import Completion, SamplingParams, WeightsUpdate, as_named_arrays
-from staleflow.learner.publish import bucketize
+from staleflow.learner.publish import WireLayout, bucketize, pack_bucket
 
 __all__ = ["VLLMEngine", "WeightLoaderExtension", "buckets"]
 
 
 class WeightLoaderExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`): receives one bucket per call.
+    """Mixed into vLLM's worker (`worker_extension_cls`): receives weight updates.
+
+    In vLLM's default multiprocess mode every argument of `collective_rpc` crosses vLLM's IPC,
+    which turns numpy arrays into nested lists; buckets therefore travel in the wire format of
+    staleflow.learner.publish (plain bytes + [name, shape, dtype]), or, with a broadcast sync
+    method, not through the IPC at all: the worker joins the learner's process group and
+    receives the tensors on its own device.
 
     Buckets of one update are collected and applied together by vLLM's in-place
     `reload_weights` when the last arrives: backends repack weights after loading (the CPU one
@@ -33,13 +39,16 @@ class WeightLoaderExtension:
 
     model_runner: Any
     _staleflow_pending: list[tuple[str, Any]]
+    _staleflow_group: Any
 
-    def staleflow_load_bucket(self, names: list[str], arrays: list[np.ndarray], last: bool) -> int:
+    def staleflow_load_bucket(self, layout: list[Any], data: bytes, last: bool) -> int:
         import torch
 
+        from staleflow.learner.publish import unpack_bucket
+
         pending = getattr(self, "_staleflow_pending", [])
-        for name, array in zip(names, arrays, strict=True):
-            tensor = torch.from_numpy(np.ascontiguousarray(array))
+        for name, array in unpack_bucket(layout, data).items():
+            tensor = torch.from_numpy(array.copy())  # the received bytes are read-only
             if tensor.dtype == torch.int16:  # bfloat16 bit patterns
                 tensor = tensor.view(torch.bfloat16)
             pending.append((name, tensor))
@@ -47,16 +56,36 @@ class WeightLoaderExtension:
         if not last:
             return 0
         self._staleflow_pending = []
-        self.model_runner.reload_weights(weights_iterator=iter(pending), is_checkpoint_format=True)
-        return len(pending)
+        return self._staleflow_apply(pending)
+
+    def staleflow_join_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        from staleflow.learner.sync_group import SyncGroup
+
+        previous = getattr(self, "_staleflow_group", None)
+        if previous is not None:
+            previous.close()
+        self._staleflow_group = SyncGroup.open(backend, host, port, rank, world_size, timeout_s)
+
+    def staleflow_receive(self, layouts: list[Any]) -> int:
+        from staleflow.learner.publish import broadcast_receive
+
+        group = getattr(self, "_staleflow_group", None)
+        if group is None:
+            raise RuntimeError("staleflow_receive before staleflow_join_group")
+        layouts = [[(n, tuple(shape), d) for n, shape, d in layout] for layout in layouts]
+        return self._staleflow_apply(list(broadcast_receive(group, layouts)))
+
+    def _staleflow_apply(self, weights: list[tuple[str, Any]]) -> int:
+        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+        return len(weights)
 
 
-def buckets(
-    weights: WeightsUpdate, bucket_bytes: int
-) -> Iterator[tuple[list[str], list[np.ndarray]]]:
-    """Named arrays in buckets of about `bucket_bytes`, as (names, arrays) for one RPC each."""
+def buckets(weights: WeightsUpdate, bucket_bytes: int) -> Iterator[tuple[WireLayout, bytes]]:
+    """Named arrays in buckets of about `bucket_bytes`, each packed for one RPC."""
     for bucket in bucketize(dict(as_named_arrays(weights)), bucket_bytes):
-        yield list(bucket), list(bucket.values())
+        yield pack_bucket(bucket)
 
 
 class VLLMEngine:
@@ -102,7 +131,20 @@ class VLLMEngine:
             path = str(tiny_dir(cfg.model.seed))
         else:
             path = str(cfg.model.path)
-        return cls(path, dtype=cfg.model.dtype, seed=cfg.rollout.seed, bucket_mb=cfg.sync.bucket_mb)
+        import os
+
+        vllm = cfg.rollout.vllm
+        # read by vLLM at import; the default (1) runs the engine core in its own process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if vllm.multiprocessing else "0"
+        return cls(
+            path,
+            dtype=cfg.model.dtype,
+            seed=cfg.rollout.seed,
+            bucket_mb=cfg.sync.bucket_mb,
+            gpu_memory_utilization=vllm.gpu_memory_utilization,
+            max_model_len=vllm.max_model_len,
+            enforce_eager=vllm.enforce_eager,
+        )
 
     @property
     def version(self) -> int:
@@ -146,8 +188,24 @@ class VLLMEngine:
         return result
 
     def load_weights(self, weights: WeightsUpdate, version: int) -> None:
+        """Send the update bucket by bucket; vLLM raises any worker's error here, and the
+        version changes only once every bucket has been applied."""
         parts = list(buckets(weights, self.bucket_bytes))
-        for i, (names, arrays) in enumerate(parts):
+        for i, (layout, data) in enumerate(parts):
             last = i == len(parts) - 1
-            self.llm.collective_rpc("staleflow_load_bucket", args=(names, arrays, last))
+            self.llm.collective_rpc("staleflow_load_bucket", args=(layout, data, last))
+        self._version = version
+
+    def join_sync_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Every vLLM worker of this engine joins the learner's broadcast group (one worker
+        per engine: tensor parallelism is not supported with broadcast sync)."""
+        self.llm.collective_rpc(
+            "staleflow_join_group", args=(host, port, rank, world_size, backend, timeout_s)
+        )
+
+    def receive_broadcast(self, layouts: list[Any], version: int) -> None:
+        wire = [[[name, list(shape), dtype] for name, shape, dtype in b] for b in layouts]
+        self.llm.collective_rpc("staleflow_receive", args=(wire,))
         self._version = version

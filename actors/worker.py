@@ -22,11 +22,21 @@ from staleflow.actors.tasks import Prompt, Task, make_task
 from staleflow.buffer.records import FINISH_REASONS, Group, Response
 from staleflow.buffer.replay import ReplayBuffer
 
-__all__ = ["BatchReport", "EvalReport", "RolloutWorker", "VersionMismatchError"]
+__all__ = [
+    "BatchReport",
+    "EvalReport",
+    "RolloutWorker",
+    "VersionMismatchError",
+    "WeightLoadError",
+]
 
 
 class VersionMismatchError(RuntimeError):
     """The worker was asked for a policy version it does not have loaded."""
+
+
+class WeightLoadError(RuntimeError):
+    """Loading published weights into the engine failed (the cause is chained)."""
 
 
 @dataclass(frozen=True)
@@ -107,16 +117,52 @@ class RolloutWorker:
 
     def load_published(self, handle: Any) -> int:
         """Install weights published by the learner (a `RayWeights` or `CheckpointWeights`
-        from staleflow.learner.publish), fetching them bucket by bucket."""
-        return self.load_weights(handle.arrays(), handle.version)
+        from staleflow.learner.publish), fetching them bucket by bucket. A failure raises
+        `WeightLoadError` with the engine's own error as its cause."""
+        try:
+            return self.load_weights(handle.arrays(), handle.version)
+        except Exception as exc:
+            raise WeightLoadError(
+                f"{self.worker_id}: loading weights v{handle.version} into the "
+                f"{type(self.engine).__name__} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def join_sync_group(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join learner rank 0's broadcast group (sync.method nccl / gloo) as `rank`."""
+        join = getattr(self.engine, "join_sync_group", None)
+        if join is None:
+            raise TypeError(f"the {type(self.engine).__name__} cannot receive broadcasts")
+        join(host, port, rank, world_size, backend, timeout_s)
+
+    def receive_broadcast(self, layouts: list[Any], version: int) -> int:
+        """Receive one broadcast update (the learner sends it at the same time)."""
+        try:
+            self.engine.receive_broadcast(layouts, version)  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise WeightLoadError(
+                f"{self.worker_id}: receiving broadcast weights v{version} failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return self.engine.version
+
+    def _ensure(self, weights: Any) -> None:
+        if weights is not None and weights.version != self.engine.version:
+            self.load_published(weights)
 
     def next_prompts(self, n: int) -> list[Prompt]:
         return list(itertools.islice(self._prompts, n))
 
     def run_batch(
-        self, policy_version: int, prompts: Sequence[Prompt] | None = None
+        self,
+        policy_version: int,
+        prompts: Sequence[Prompt] | None = None,
+        weights: Any = None,
     ) -> BatchReport:
-        """One rollout batch at `policy_version` (which must be the loaded one)."""
+        """One rollout batch at `policy_version`: the loaded one, or `weights` (a published
+        handle) loaded first, so a failed load fails this batch with its own error."""
+        self._ensure(weights)
         if policy_version != self.engine.version:
             raise VersionMismatchError(
                 f"{self.worker_id} has policy version {self.engine.version} loaded but was asked "
@@ -178,9 +224,11 @@ class RolloutWorker:
         )
 
     def evaluate(
-        self, n_prompts: int | None = None, temperature: float | None = None
+        self, n_prompts: int | None = None, temperature: float | None = None, weights: Any = None
     ) -> EvalReport:
-        """Held-out accuracy of the loaded weights (one sample per held-out prompt)."""
+        """Held-out accuracy of the loaded weights, or of `weights` loaded first (one sample
+        per held-out prompt)."""
+        self._ensure(weights)
         n = n_prompts if n_prompts is not None else self.cfg.task.eval_prompts
         temp = temperature if temperature is not None else self.cfg.task.eval_temperature
         prompts = self.task.eval_prompts(n)
@@ -222,11 +270,10 @@ def build_engine(cfg: Any) -> tuple[RolloutEngine, Any]:
 
         engine = VLLMEngine.from_config(cfg)
         return engine, engine.tokenizer
-    import torch
-
     from staleflow.actors.hf_engine import HFEngine
     from staleflow.actors.models import load_model
+    from staleflow.learner.device import role_device
 
-    device = "cuda" if cfg.rollout.gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
+    device = role_device(cfg.rollout.gpus_per_worker, "rollout.gpus_per_worker")
     model, tokenizer = load_model(cfg.model, device=device)
     return HFEngine(model, tokenizer), tokenizer

@@ -141,6 +141,7 @@ class Driver:
         self.started = time.time()
         self._redis: Any = None
         self._started_ray = False
+        self._deferred_workers: int | None = None
         self.trajectories: TrajectoryLog | None = None
 
     # ------------------------------------------------------------------------ the schedule
@@ -181,8 +182,7 @@ class Driver:
         for slot, part in zip(slots, parts, strict=False):
             if len(part) == 0:
                 continue
-            self.pool.ensure_version(slot, weights)
-            ref = self.pool.run_batch(slot, [prompts[i] for i in part])
+            ref = self.pool.run_batch(slot, weights, [prompts[i] for i in part])
             self.shards[ref] = (slot, self.batches)
             self.open_shards[self.batches] = self.open_shards.get(self.batches, 0) + 1
         self.groups_started += self.P
@@ -283,7 +283,10 @@ class Driver:
             self.pool.remove(slot)
 
     def _publish(self) -> None:
-        weights = self.learner.publish()
+        if self._deferred_workers is not None:  # broadcast: new workers join at a publish
+            self._scale(self._deferred_workers)
+            self._deferred_workers = None
+        weights = self.sync.publish(self.step)
         self.published[weights.version] = weights
         self.latest = weights  # what async workers and newly added workers load
         # keep what the schedule, a pending eval or the workers may still load
@@ -299,8 +302,10 @@ class Driver:
             return
         weights = self.published.get(step)
         if weights is None:  # not on the sync schedule: publish for evaluation only
-            weights = self.learner.publish()
+            weights = self.sync.publish(step)
             self.published[step] = weights
+            if self.sync.broadcasts:  # every worker holds it now (async only: see resources)
+                self.latest = weights
         slot = self.pool.active[0]
         self.evals.append((self.pool.evaluate(slot, weights, self.cfg.task.eval_prompts), step))
 
@@ -398,10 +403,21 @@ class Driver:
         n = self.rundir.take_worker_request()
         if n is None:
             return
+        if self.sync.broadcasts and self.cfg.sync.mode == "lockstep":
+            # a new engine can only get the weights of a broadcast: wait for the next publish
+            logger.info("scaling rollout workers to %d at the next publish", n)
+            self._deferred_workers = n
+            return
+        added = n > len(self.pool.active)
+        self._scale(n)
+        if self.sync.broadcasts and added:
+            self._publish()  # new engines get the newest weights now (async: any version runs)
+
+    def _scale(self, n: int) -> None:
         active = self.pool.active
         logger.info("scaling rollout workers %d -> %d", len(active), n)
         for _ in range(n - len(active)):
-            self.pool.add(self.latest)
+            self.pool.add()
         for slot in active[n:]:
             slot.retiring = True
             if slot.busy is None:
@@ -415,7 +431,10 @@ class Driver:
         from staleflow.buffer.replay import ReplayBuffer
         from staleflow.buffer.server import RedisServer, redis_dir
         from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
+        from staleflow.cluster.resources import check_sync_method, cluster_nodes, fit, run_requests
+        from staleflow.cluster.weights import WeightSync
 
+        check_sync_method(self.cfg)
         self.rundir.config.write_text(redact(dump_config(self.cfg)) + "\n")
         # bad input fails here, before any server or process starts
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
@@ -438,11 +457,15 @@ class Driver:
 
         self._started_ray = not ray.is_initialized() and not self.address
         start_ray(self.address, self.cfg)
-        self.learner = LearnerGroup(self.cfg)
+        fit(run_requests(self.cfg), cluster_nodes())  # refuse now rather than wait forever
+        publish_dir = self.cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
+        self.learner = LearnerGroup(self.cfg, publish_dir=publish_dir)
         self.pool = WorkerPool(self.cfg, self.run_id, url)
         for _ in range(self.cfg.rollout.num_workers):
-            self.pool.add(None)
-        self.learner.ready()
+            self.pool.add()
+        self.sync = WeightSync(self.cfg, self.learner, self.pool)
+        self.learner.ready(self.cfg.run.start_timeout_s)
+        self.pool.ready(self.cfg.run.start_timeout_s)
         logger.info(
             "ray: %d rollout worker(s), %d learner rank(s)",
             len(self.pool.slots), self.cfg.learner.num_ranks,

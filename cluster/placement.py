@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,8 +21,15 @@ import ray
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.buffer.records import Group
+from staleflow.learner.device import hidden_gpus_env
 from staleflow.learner.learner import Learner
-from staleflow.learner.publish import CheckpointPublisher, RayPublisher
+from staleflow.learner.publish import (
+    CheckpointPublisher,
+    RayPublisher,
+    broadcast_send,
+    tensor_layouts,
+)
+from staleflow.learner.sync_group import SyncGroup, free_port, node_address
 
 __all__ = ["LearnerGroup", "LearnerRank", "WorkerPool", "learner_threads", "start_ray"]
 
@@ -53,10 +59,12 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
 SCALE_HEADROOM = 4
 
 
-def _thread_env(cpus: float) -> dict[str, Any]:
-    """Ray sets OMP_NUM_THREADS=1 in actors; give torch the CPUs the actor reserved."""
+def _actor_env(cpus: float, gpus: float, extra: dict[str, str] | None = None) -> dict[str, Any]:
+    """Ray sets OMP_NUM_THREADS=1 in actors; give torch the CPUs the actor reserved. An actor
+    with no GPU share sees no GPU (Ray would leave the machine's GPUs visible to it)."""
     threads = str(max(1, int(cpus)))
-    return {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **hidden_gpus_env(gpus)}
+    return {"env_vars": {**env, **(extra or {})}}
 
 
 # --------------------------------------------------------------------------- rollout workers
@@ -86,10 +94,14 @@ class WorkerPool:
 
     def __post_init__(self) -> None:
         rollout = self.cfg.rollout
+        extra = {}
+        if rollout.engine == "vllm":
+            multiprocessing = "1" if rollout.vllm.multiprocessing else "0"
+            extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
         self._actor = ray.remote(RolloutWorker).options(  # type: ignore[attr-defined]
             num_cpus=rollout.cpus_per_worker,
             num_gpus=rollout.gpus_per_worker,
-            runtime_env=_thread_env(rollout.cpus_per_worker),
+            runtime_env=_actor_env(rollout.cpus_per_worker, rollout.gpus_per_worker, extra),
             max_concurrency=1,
         )
 
@@ -106,32 +118,37 @@ class WorkerPool:
         slot.busy = None
         slot.idle_since = time.monotonic()
 
-    def add(self, weights: Any | None) -> WorkerSlot:
-        """Start a worker; it loads `weights` (a published handle) before anything else."""
+    def add(self) -> WorkerSlot:
+        """Start a worker; its first batch loads the weights it must use (`run_batch`)."""
         index, self._next_index = self._next_index, self._next_index + 1
         handle = self._actor.remote(
             self.cfg, run_id=self.run_id, worker_index=index, redis_url=self.redis_url
         )
         slot = WorkerSlot(index, handle)
-        if weights is not None and weights.version != 0:
-            self.ensure_version(slot, weights)
         self.slots.append(slot)
         return slot
 
-    def ensure_version(self, slot: WorkerSlot, weights: Any) -> None:
-        """Queue a weight load unless the worker will already have `weights.version`. An actor
-        runs one call at a time, so the load happens at the next batch boundary."""
-        if slot.version != weights.version:
-            slot.handle.load_published.remote(weights)
-            slot.version = weights.version
+    def _weights_for(self, slot: WorkerSlot, weights: Any) -> Any:
+        """`weights` if the worker must load them first (it loads them inside the call that
+        needs them, so a failed load fails that call with its own error)."""
+        if slot.version == weights.version:
+            return None
+        slot.version = weights.version
+        return weights
 
-    def run_batch(self, slot: WorkerSlot, prompts: Sequence[Prompt]) -> Any:
-        slot.busy = slot.handle.run_batch.remote(slot.version, list(prompts))
+    def run_batch(self, slot: WorkerSlot, weights: Any, prompts: Sequence[Prompt]) -> Any:
+        """Start a batch at `weights.version` (loaded first at this batch boundary if needed)."""
+        load = self._weights_for(slot, weights)
+        slot.busy = slot.handle.run_batch.remote(weights.version, list(prompts), load)
         return slot.busy
 
     def evaluate(self, slot: WorkerSlot, weights: Any, n_prompts: int) -> Any:
-        self.ensure_version(slot, weights)
-        return slot.handle.evaluate.remote(n_prompts)
+        load = self._weights_for(slot, weights)
+        return slot.handle.evaluate.remote(n_prompts, None, load)
+
+    def ready(self, timeout_s: float) -> None:
+        """Block until every worker has built its engine (raises its error, or a timeout)."""
+        _wait_ready([s.handle for s in self.slots], timeout_s, "rollout workers")
 
     def remove(self, slot: WorkerSlot) -> None:
         ray.kill(slot.handle)
@@ -144,26 +161,65 @@ class WorkerPool:
 class LearnerRank:
     """One data-parallel rank of the learner (a Ray actor); rank 0 also publishes weights."""
 
-    def __init__(self, cfg: Any, rank: int, world_size: int, master: tuple[str, int]) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        rank: int,
+        world_size: int,
+        master: tuple[str, int],
+        publish_dir: str | None = None,
+    ) -> None:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+        self.cfg = cfg
         self.learner = Learner(cfg, rank=rank, world_size=world_size)
         self.rank = rank
+        self.sync_group: Any = None
+        self.publisher: Any = None
         if cfg.sync.method == "checkpoint":
-            self.publisher: Any = CheckpointPublisher(cfg.sync.checkpoint_dir)
-        else:  # nccl needs engines in the learner's process group: GPU workers only
+            if publish_dir is None:
+                raise ValueError("sync.method checkpoint needs a directory to publish into")
+            self.publisher = CheckpointPublisher(publish_dir)
+        elif cfg.sync.method == "ray":
             self.publisher = RayPublisher(cfg.sync.bucket_mb)
 
     def step(self, groups: list[Group], learner_version: int) -> dict[str, float]:
         return self.learner.step(groups, learner_version)
 
     def publish(self) -> Any:
-        """Every rank gathers (ZeRO-3 needs all); rank 0 returns the published handle."""
+        """ray / checkpoint: every rank gathers (ZeRO-3 needs all); rank 0 returns the
+        published handle."""
         arrays = self.learner.state_dict_for_sync()
         if self.rank != 0:
             return None
         return self.publisher.publish(arrays, self.learner.version)
+
+    # broadcast methods (nccl, gloo): rank 0 sends to the engines in a group of their own
+
+    def sync_address(self) -> tuple[str, int]:
+        """Where the broadcast group meets: this rank's node address and a free port."""
+        host = node_address()
+        return host, free_port()
+
+    def sync_layouts(self, bucket_bytes: int) -> Any:
+        """Every rank gathers under ZeRO-3; rank 0 returns the broadcast buckets' layouts."""
+        with self.learner.gathered_weights() as tensors:
+            return tensor_layouts(tensors, bucket_bytes) if self.rank == 0 else None
+
+    def open_sync_group(self, host: str, port: int, world_size: int) -> None:
+        if self.sync_group is not None:
+            self.sync_group.close()
+        backend, timeout = self.cfg.sync.method, self.cfg.sync.broadcast_timeout_s
+        self.sync_group = SyncGroup.open(backend, host, port, 0, world_size, timeout)
+
+    def broadcast(self, version: int) -> Any:
+        """Every rank gathers under ZeRO-3; rank 0 sends, straight from the learner's device."""
+        with self.learner.gathered_weights() as tensors:
+            if self.rank != 0:
+                return None
+            bucket_bytes = self.cfg.sync.bucket_mb << 20
+            return broadcast_send(self.sync_group, tensors, bucket_bytes, version)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self.learner.save(path, extra)
@@ -176,18 +232,22 @@ class LearnerGroup:
     cfg: Any
     ranks: list[Any] = field(default_factory=list)
 
+    publish_dir: str | None = None
+
     def __post_init__(self) -> None:
         learner = self.cfg.learner
-        gpu = self.cfg.rollout.gpus_per_worker > 0
         # One CPU reserved per rank; its torch threads use this machine's cores (the learner is
-        # the bottleneck of a CPU run, and the OS shares the cores with the workers).
+        # the bottleneck of a CPU run, and the OS shares the cores with the workers). Its GPU
+        # share is its own setting (learner.gpus_per_rank), whatever the workers take.
         threads = learner_threads(learner.num_ranks)
         actor = ray.remote(LearnerRank).options(  # type: ignore[attr-defined]
-            num_cpus=1, num_gpus=1.0 if gpu else 0.0, runtime_env=_thread_env(threads)
+            num_cpus=1,
+            num_gpus=learner.gpus_per_rank,
+            runtime_env=_actor_env(threads, learner.gpus_per_rank),
         )
-        master = ("127.0.0.1", _free_port())
+        master = ("127.0.0.1", free_port("127.0.0.1"))
         self.ranks = [
-            actor.remote(self.cfg, rank, learner.num_ranks, master)
+            actor.remote(self.cfg, rank, learner.num_ranks, master, self.publish_dir)
             for rank in range(learner.num_ranks)
         ]
 
@@ -202,9 +262,9 @@ class LearnerGroup:
     def save(self, path: str, extra: dict[str, Any]) -> None:
         ray.get(self.ranks[0].save.remote(path, extra))
 
-    def ready(self) -> None:
-        """Block until every rank has built its engine (raises the rank's error if not)."""
-        ray.get([r.__ray_ready__.remote() for r in self.ranks])
+    def ready(self, timeout_s: float) -> None:
+        """Block until every rank has built its engine (raises the rank's error, or a timeout)."""
+        _wait_ready(self.ranks, timeout_s, "learner ranks")
 
     def kill(self) -> None:
         for r in self.ranks:
@@ -216,7 +276,16 @@ def learner_threads(num_ranks: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // num_ranks))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _wait_ready(handles: Sequence[Any], timeout_s: float, what: str) -> None:
+    """Wait for actors' constructors; an actor Ray cannot place (or that hangs while starting)
+    ends the wait after `timeout_s` with what the cluster has left, instead of a hang."""
+    refs = [h.__ray_ready__.remote() for h in handles]
+    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    ray.get(done)  # raises a constructor's error
+    if pending:
+        raise TimeoutError(
+            f"{len(pending)} of {len(refs)} {what} did not start within {timeout_s:g} s "
+            f"(run.start_timeout_s); the cluster has {ray.available_resources()} free of "
+            f"{ray.cluster_resources()}: an actor that fits on no node waits for resources, "
+            "and one still loading its model needs a longer run.start_timeout_s"
+        )

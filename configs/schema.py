@@ -26,6 +26,7 @@ __all__ = [
     "RunSection",
     "SyncConfig",
     "TaskConfig",
+    "VLLMConfig",
 ]
 
 _TASK_NAME = re.compile(r"^(arithmetic|digits|gsm8k|custom|reasoning_gym:[A-Za-z0-9_]+)$")
@@ -112,6 +113,39 @@ class TaskConfig(Frozen):
         return self
 
 
+def _gpu_share(value: float, key: str) -> float:
+    """A GPU share is a fraction of one GPU (several roles share it) or whole GPUs."""
+    if value > 1 and value != int(value):
+        raise ValueError(
+            f"{key}={value:g}: a share above 1 GPU must be a whole number (Ray places "
+            "fractions within one GPU); use e.g. 1, 2 or 0.5"
+        )
+    return value
+
+
+class VLLMConfig(Frozen):
+    """Engine arguments of `rollout.engine: vllm` (passed to `vllm.LLM`)."""
+
+    gpu_memory_utilization: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of the GPU's memory this engine may take (weights, KV cache); "
+        "leave room for the learner and other engines sharing the GPU.",
+    )
+    enforce_eager: bool = Field(
+        False, description="Skip CUDA graph capture: faster start, slower decoding."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context length the engine plans for (null: the model's)."
+    )
+    multiprocessing: bool = Field(
+        True,
+        description="vLLM's default: the engine core in its own process (false: in-process, "
+        "VLLM_ENABLE_V1_MULTIPROCESSING=0).",
+    )
+
+
 class RolloutConfig(Frozen):
     """Rollout workers: how many, which engine, how they sample."""
 
@@ -129,8 +163,21 @@ class RolloutConfig(Frozen):
     max_new_tokens: int = Field(64, ge=1, le=131_072, description="Generated tokens per response.")
     stop: tuple[str, ...] = Field((), description="Stop strings besides end-of-sequence.")
     cpus_per_worker: float = Field(1.0, gt=0.0, le=256, description="CPUs reserved per worker.")
-    gpus_per_worker: float = Field(0.0, ge=0.0, le=8, description="GPUs reserved per worker.")
+    gpus_per_worker: float = Field(
+        0.0,
+        ge=0.0,
+        le=8,
+        description="GPU share per worker (0: CPU; a fraction shares a GPU with other roles).",
+    )
     seed: int = Field(0, ge=0, description="Base sampling seed (worker i uses seed + i).")
+    vllm: VLLMConfig = Field(
+        default_factory=VLLMConfig, description="vLLM engine arguments (engine: vllm)."
+    )
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _worker_share(cls, value: float) -> float:
+        return _gpu_share(value, "rollout.gpus_per_worker")
 
 
 class BufferConfig(Frozen):
@@ -231,9 +278,20 @@ class LearnerConfig(Frozen):
     epochs: int = Field(1, ge=1, le=100, description="Passes over each batch.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks.")
+    gpus_per_rank: float = Field(
+        0.0,
+        ge=0.0,
+        le=8,
+        description="GPU share per learner rank (0: CPU; 0.5 shares one GPU with the workers).",
+    )
     reference_model: bool = Field(
         False, description="Keep a frozen copy of the initial policy for loss.kl_coef."
     )
+
+    @field_validator("gpus_per_rank")
+    @classmethod
+    def _rank_share(cls, value: float) -> float:
+        return _gpu_share(value, "learner.gpus_per_rank")
 
     @model_validator(mode="after")
     def _kl_needs_reference(self) -> LearnerConfig:
@@ -256,8 +314,16 @@ class SyncConfig(Frozen):
     offset: int = Field(
         0, ge=0, le=1_000_000, description="O: rollout batches allowed before the first sync."
     )
-    method: Literal["ray", "nccl", "checkpoint"] = Field(
-        "ray", description="Transport: Ray object store, NCCL broadcast, or safetensors files."
+    method: Literal["ray", "nccl", "gloo", "checkpoint"] = Field(
+        "ray",
+        description="Transport: Ray object store; broadcast over NCCL (GPU roles on GPUs of "
+        "their own) or gloo (CPU roles); or safetensors files in checkpoint_dir.",
+    )
+    broadcast_timeout_s: float = Field(
+        900.0,
+        gt=0.0,
+        description="nccl / gloo: seconds a broadcast waits for every engine to join "
+        "(workers join after their current batch).",
     )
     bucket_mb: int = Field(
         256, ge=1, le=65_536, description="Size of one weight-transfer bucket in MiB."
@@ -284,6 +350,12 @@ class RunSection(Frozen):
         0, ge=0, description="Checkpoint every N learner steps (0: only at the end)."
     )
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
+    start_timeout_s: float = Field(
+        600.0,
+        gt=0.0,
+        description="Seconds the learner and workers may take to start (place, load the "
+        "model) before the run fails with what the cluster has free.",
+    )
     record_trajectories: bool = Field(
         True,
         description="Record the groups each learner step consumes, in order, under "

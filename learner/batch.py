@@ -9,6 +9,7 @@ engine's log-prob of that token at the same index.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,17 @@ class TrainBatch:
     @property
     def num_sequences(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with every tensor on `device` (the learner's model's device)."""
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), Tensor)
+            },
+        )
 
     def rows(self, index: slice | Tensor) -> TrainBatch:
         """A micro-batch: the given sequences, trimmed to their own longest length."""

@@ -17,13 +17,14 @@ op) are avoided with a client torch AdamW and a no-op `build_shm_op` (design.md 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,15 +33,30 @@ from torch import Tensor
 
 from staleflow.buffer.records import Group
 from staleflow.learner.batch import TrainBatch, build_batch
+from staleflow.learner.device import role_device
 from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
 
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
 
 
-def ensure_distributed(rank: int = 0, world_size: int = 1) -> None:
-    """Initialise torch.distributed through DeepSpeed once per process (gloo on CPU)."""
+def ensure_distributed(
+    rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"
+) -> None:
+    """Initialise torch.distributed through DeepSpeed once per process: NCCL when the learner
+    runs on CUDA, gloo on the CPU. A CPU learner also gets DeepSpeed's CPU accelerator, so a
+    machine's GPU never pulls the model onto it (DeepSpeed picks CUDA whenever it sees one)."""
     import deepspeed
 
+    device = torch.device(device)
+    if device.type == "cpu":
+        from deepspeed.accelerator import get_accelerator, set_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            set_accelerator(CPU_Accelerator())
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
     if deepspeed.comm.is_initialized():
         return
     defaults = {
@@ -63,8 +79,7 @@ def ensure_distributed(rank: int = 0, world_size: int = 1) -> None:
     )
     # DeepSpeed's CPU shared-memory comm op JIT-compiles for about a minute; gloo needs none.
     setattr(sys.modules["deepspeed.comm.torch"], "build_shm_op", lambda: None)  # noqa: B010
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
 
 def response_logprobs(model: Any, batch: TrainBatch, temperature: float) -> Tensor:
@@ -103,11 +118,13 @@ class Learner:
     ) -> None:
         import deepspeed
 
-        ensure_distributed(rank, world_size)
+        # The learner's own GPU share decides its device (staleflow.learner.device).
+        self.device = role_device(cfg.learner.gpus_per_rank, "learner.gpus_per_rank")
+        ensure_distributed(rank, world_size, self.device)
         if model is None:
             from staleflow.actors.models import load_model
 
-            model, tokenizer = load_model(cfg.model)
+            model, tokenizer = load_model(cfg.model, device=self.device)
         if tokenizer is None:
             raise ValueError("a learner given a model needs its tokenizer (for the pad id)")
         self.cfg = cfg
@@ -161,7 +178,7 @@ class Learner:
             self.cfg.learner.loss.advantage,
             self.pad_id,
             seed=self.cfg.run.seed + self.steps,
-        )
+        ).to(self.device)
         sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch means
         extrema: dict[str, float] = {}
         timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0}
@@ -170,7 +187,7 @@ class Learner:
             for mini in _split(batch.num_sequences, self.cfg.learner.mini_batches):
                 loss, norm = self._optimizer_step(batch.rows(mini), sums, extrema, timing)
                 if self.world_size > 1:
-                    loss = _all_reduce_sum(loss)  # each rank held its shard's share
+                    loss = _all_reduce_sum(loss, self.device)  # each rank held its shard's share
                 losses.append(loss)
                 grad_norms.append(norm)
         elapsed = time.perf_counter() - start
@@ -303,23 +320,29 @@ class Learner:
     def evaluate_loss(self, groups: Sequence[Group]) -> float:
         """The loss on `groups` with the current weights, without training."""
         batch = build_batch(groups, self.cfg.learner.loss.advantage, self.pad_id, seed=0)
+        batch = batch.to(self.device)
         return float(self._loss(batch)[1].loss)
 
-    def state_dict_for_sync(self) -> dict[str, np.ndarray]:
-        """The full weights as numpy arrays (bfloat16 as int16 views), for `load_weights`.
+    @contextlib.contextmanager
+    def gathered_weights(self) -> Iterator[dict[str, Tensor]]:
+        """The full weights as tensors on the learner's device, valid inside the block.
 
-        Under ZeRO-3 the partitioned parameters are gathered first (every rank must call)."""
-        import contextlib
-
+        Under ZeRO-3 the partitioned parameters are gathered first (every rank must enter)."""
         import deepspeed
 
         gather: Any = contextlib.nullcontext()
         if self.cfg.learner.zero_stage == 3:
             gather = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()))
-        out = {}
         with gather:
-            for name, tensor in self.engine.module.state_dict().items():
-                t = tensor.detach().cpu().clone()
+            yield {name: t.detach() for name, t in self.engine.module.state_dict().items()}
+
+    def state_dict_for_sync(self) -> dict[str, np.ndarray]:
+        """The full weights as numpy arrays (bfloat16 as int16 views), for `load_weights`
+        (every rank must call under ZeRO-3)."""
+        out = {}
+        with self.gathered_weights() as tensors:
+            for name, tensor in tensors.items():
+                t = tensor.cpu().clone()
                 out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
         return out
 
@@ -334,13 +357,14 @@ def _token_balanced_shard(batch: TrainBatch, rank: int, world_size: int) -> Tens
         r = min(range(world_size), key=lambda r: (loads[r], r))
         owner[i] = r
         loads[r] += lengths[i]
-    return torch.tensor([i for i, r in enumerate(owner) if r == rank], dtype=torch.long)
+    index = [i for i, r in enumerate(owner) if r == rank]
+    return torch.tensor(index, dtype=torch.long, device=batch.input_ids.device)
 
 
-def _all_reduce_sum(value: float) -> float:
+def _all_reduce_sum(value: float, device: torch.device) -> float:
     import deepspeed
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL reduces CUDA tensors
     deepspeed.comm.all_reduce(t)
     return float(t[0])
 

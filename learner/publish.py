@@ -9,9 +9,12 @@
 - `CheckpointPublisher`: safetensors plus a version file in a shared directory, written under
   temporary names and renamed, for separately launched jobs; `read_published(dir)` loads the
   newest complete version.
-- `BroadcastPublisher` (`nccl` on GPUs): a dedicated process group between learner rank 0 and
-  the engines; each bucket is flattened into one tensor and broadcast in one collective, one
-  remote call per bucket on the receiving side. The same code runs over gloo on CPU (tests).
+- `broadcast_send` / `broadcast_receive` (`nccl` on GPUs, `gloo` on CPUs): a dedicated
+  process group (staleflow.learner.sync_group) of learner rank 0 and the engines; each bucket
+  is flattened into one tensor on the sender's device and broadcast in one collective; the
+  receivers get the layouts once per update (one remote call each), not per parameter.
+- `pack_bucket` / `unpack_bucket`: the wire format of a bucket that crosses a serialiser (the
+  vLLM engine's `collective_rpc`): plain bytes plus [name, shape, dtype] entries.
 
 Every publish reports its wall time and bytes.
 """
@@ -31,16 +34,21 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "BroadcastPublisher",
+    "BroadcastWeights",
     "CheckpointPublisher",
     "CheckpointWeights",
     "PublishStats",
     "RayPublisher",
     "RayWeights",
+    "broadcast_receive",
+    "broadcast_send",
     "bucketize",
-    "flatten_bucket",
+    "flatten_tensors",
+    "pack_bucket",
     "read_published",
-    "unflatten_bucket",
+    "tensor_layouts",
+    "unflatten_tensors",
+    "unpack_bucket",
 ]
 
 Arrays = Mapping[str, np.ndarray]
@@ -179,66 +187,146 @@ def _fsync_rename(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+# ----------------------------------------------------------------------------- wire format
+
+WireLayout = list[list[Any]]
+"""[[name, shape, numpy dtype str], ...]: lists and strings only, as any serialiser returns them."""
+
+_WIRE_DTYPES = {"<f4", "<f2", "<f8", "<i2", "<i4", "<i8", "|u1", "|i1", "|b1"}
+
+
+def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
+    """One bucket as plain `bytes` plus its layout: serialisable by construction (msgpack,
+    pickle, vLLM's IPC), where numpy arrays are not (vLLM's multiprocess mode turns them into
+    nested lists). One copy of the bytes; bfloat16 travels as its int16 view."""
+    layout: WireLayout = []
+    views = []
+    for name, array in bucket.items():
+        a = np.ascontiguousarray(array).reshape(np.shape(array))  # 0-d stays 0-d
+        if a.dtype.str not in _WIRE_DTYPES:
+            raise TypeError(f"parameter {name!r}: dtype {a.dtype} cannot travel as weights")
+        layout.append([name, list(a.shape), a.dtype.str])
+        views.append(a.reshape(-1).view(np.uint8).data)
+    return layout, b"".join(views)
+
+
+def unpack_bucket(layout: WireLayout, data: Any) -> dict[str, np.ndarray]:
+    """The arrays of a packed bucket (read-only views of `data`), checked against the layout;
+    a wrong type or size raises with what arrived, never a reshaped guess."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(
+            f"a weight bucket must arrive as bytes, got {type(data).__name__}: something "
+            "between the processes re-encoded it (send pack_bucket's output unchanged)"
+        )
+    out: dict[str, np.ndarray] = {}
+    offset = 0
+    for entry in layout:
+        if len(entry) != 3:
+            raise ValueError(f"bad layout entry {entry!r}: expected [name, shape, dtype]")
+        name, shape, dtype = entry
+        if dtype not in _WIRE_DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"parameter {name!r}: bad layout (shape {shape}, dtype {dtype})")
+        count = int(np.prod(shape, dtype=np.int64))
+        size = count * np.dtype(dtype).itemsize
+        if offset + size > len(data):
+            raise ValueError(
+                f"parameter {name!r}: the bucket ends at byte {len(data)}, the layout needs "
+                f"{offset + size}"
+            )
+        out[name] = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
+        offset += size
+    if offset != len(data):
+        raise ValueError(f"the bucket has {len(data) - offset} bytes the layout does not name")
+    return out
+
+
 # ----------------------------------------------------------------------------- broadcast
 
+TensorLayout = list[tuple[str, tuple[int, ...], str]]
+"""[(name, shape, torch dtype name)] of one broadcast bucket, in order."""
 
-def flatten_bucket(bucket: Mapping[str, Any]) -> tuple[Any, list[tuple[str, tuple[int, ...], str]]]:
-    """One contiguous uint8 tensor holding every array of the bucket, plus the layout."""
+
+def flatten_tensors(bucket: Mapping[str, Any], device: Any) -> tuple[Any, TensorLayout]:
+    """One contiguous uint8 tensor on `device` holding every tensor of the bucket, plus the
+    layout. Tensors already on `device` are copied once, device to device."""
     import torch
 
-    layout, parts = [], []
-    for name, array in bucket.items():
-        a = np.ascontiguousarray(array)
-        layout.append((name, tuple(a.shape), a.dtype.str))
-        parts.append(torch.from_numpy(a.reshape(-1).view(np.uint8)))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8), layout
+    layout: TensorLayout = []
+    parts = []
+    for name, tensor in bucket.items():
+        t = tensor.detach().contiguous()
+        layout.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+        parts.append(t.reshape(-1).view(torch.uint8).to(device))
+    if not parts:
+        return torch.zeros(0, dtype=torch.uint8, device=device), layout
+    return torch.cat(parts), layout
 
 
-def unflatten_bucket(
-    flat: Any, layout: list[tuple[str, tuple[int, ...], str]]
-) -> dict[str, np.ndarray]:
-    raw = flat.cpu().numpy()
+def tensor_layouts(tensors: Mapping[str, Any], bucket_bytes: int) -> list[TensorLayout]:
+    """The layout of every broadcast bucket (what receivers need to allocate and split)."""
+    return [
+        [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in bucket.items()]
+        for bucket in bucketize(tensors, bucket_bytes)
+    ]
+
+
+def unflatten_tensors(flat: Any, layout: TensorLayout) -> dict[str, Any]:
+    """Views of `flat` with each named tensor's shape and dtype (no copy)."""
+    import torch
+
     out, offset = {}, 0
     for name, shape, dtype in layout:
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        out[name] = raw[offset : offset + size].view(dtype).reshape(shape).copy()
+        torch_dtype = getattr(torch, dtype)
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=torch_dtype).itemsize
+        out[name] = flat[offset : offset + size].view(torch_dtype).reshape(shape)
         offset += size
     return out
 
 
-class BroadcastPublisher:
-    """Bucketed broadcast over a process group of learner rank 0 (src) and the engines.
+def layout_bytes(layout: TensorLayout) -> int:
+    import torch
 
-    `group` is a torch.distributed group containing the sender and every receiver (NCCL on
-    GPUs; gloo works the same on CPU). The layout of each bucket travels with the handle (or a
-    remote call per bucket); the bytes go through one collective per bucket."""
+    return sum(
+        int(np.prod(s, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, d)).itemsize
+        for _, s, d in layout
+    )
 
-    def __init__(self, group: Any, src: int = 0, bucket_mb: int = 256, device: str = "cpu") -> None:
-        self.group, self.src, self.device = group, src, device
-        self.bucket_bytes = bucket_mb << 20
 
-    def layouts(self, arrays: Arrays) -> list[list[tuple[str, tuple[int, ...], str]]]:
-        """The layout of every bucket (cheap metadata for the receivers)."""
-        return [flatten_bucket(bucket)[1] for bucket in bucketize(arrays, self.bucket_bytes)]
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """A version sent by broadcast: the engines loaded it when it was sent (no data here)."""
 
-    def send(self, arrays: Arrays, version: int) -> PublishStats:
-        import torch.distributed as dist
+    version: int
+    stats: PublishStats
 
-        start = time.perf_counter()
-        buckets = bucketize(arrays, self.bucket_bytes)
-        for bucket in buckets:
-            flat, _ = flatten_bucket(bucket)
-            dist.broadcast(flat.to(self.device), src=self.src, group=self.group)
-        return PublishStats.measure(version, start, arrays, len(buckets), "broadcast")
+    def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
+        raise RuntimeError(
+            f"weights v{self.version} were broadcast to the engines that were in the sync "
+            "group when they were published and cannot be fetched again"
+        )
 
-    def receive_bucket(
-        self, layout: list[tuple[str, tuple[int, ...], str]]
-    ) -> dict[str, np.ndarray]:
-        """On a receiver: the bucket with this layout (call once per bucket, in order)."""
-        import torch
-        import torch.distributed as dist
 
-        size = sum(int(np.prod(s, dtype=np.int64)) * np.dtype(d).itemsize for _, s, d in layout)
-        flat = torch.empty(size, dtype=torch.uint8, device=self.device)
-        dist.broadcast(flat, src=self.src, group=self.group)
-        return unflatten_bucket(flat, layout)
+def broadcast_send(
+    group: Any, tensors: Mapping[str, Any], bucket_bytes: int, version: int
+) -> BroadcastWeights:
+    """On the sender (rank 0): every bucket flattened on the group's device, one collective
+    per bucket. With NCCL and the learner on a GPU the bytes never visit host memory."""
+    start = time.perf_counter()
+    buckets = bucketize(tensors, bucket_bytes)
+    for bucket in buckets:
+        flat, _ = flatten_tensors(bucket, group.device)
+        group.broadcast(flat)
+    nbytes = sum(int(t.nbytes) for t in tensors.values())
+    stats = PublishStats(version, time.perf_counter() - start, nbytes, len(buckets))
+    return BroadcastWeights(version, stats.log(f"{group.backend} broadcast"))
+
+
+def broadcast_receive(group: Any, layouts: list[TensorLayout]) -> Iterator[tuple[str, Any]]:
+    """On a receiver: yields (name, tensor on the group's device), bucket by bucket, in the
+    order the sender sends them."""
+    import torch
+
+    for layout in layouts:
+        flat = torch.empty(layout_bytes(layout), dtype=torch.uint8, device=group.device)
+        group.broadcast(flat)
+        yield from unflatten_tensors(flat, layout).items()

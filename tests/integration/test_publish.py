@@ -14,11 +14,13 @@ from staleflow.actors.models import tiny_model
 from staleflow.actors.worker import RolloutWorker
 from staleflow.configs import parse_config
 from staleflow.learner.publish import (
-    BroadcastPublisher,
     CheckpointPublisher,
     RayPublisher,
+    broadcast_receive,
+    broadcast_send,
     bucketize,
     read_published,
+    tensor_layouts,
 )
 
 from .test_learner import config, new_learner, sampled_groups
@@ -118,29 +120,27 @@ def test_reading_before_anything_was_published(tmp_path):
 
 
 def _broadcast_rank(rank: int, port: int, arrays: dict, queue, backend: str = "gloo") -> None:
-    import torch.distributed as dist
+    from staleflow.learner.sync_group import SyncGroup
 
-    device = "cpu"
     if backend == "nccl":
-        device = f"cuda:{rank}"  # NCCL wants one device per rank
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    group = dist.new_group([0, 1])  # the dedicated learner -> engine group
-    publisher = BroadcastPublisher(group, src=0, bucket_mb=0, device=device)
+        torch.cuda.set_device(rank)  # NCCL wants one device per rank
+    # a group of its own, outside any default process group (as learner rank 0 + engines)
+    group = SyncGroup.open(backend, "127.0.0.1", port, rank, 2, timeout_s=60)
+    tensors = {k: torch.from_numpy(v).to(group.device) for k, v in arrays.items()}
     if rank == 0:
-        publisher.send(arrays, version=7)
+        handle = broadcast_send(group, tensors, bucket_bytes=1, version=7)  # 1 param/bucket
+        queue.put(("sent", handle.version, handle.stats.buckets))
     else:
-        received = {}
-        for layout in publisher.layouts(arrays):  # the layouts travel as metadata
-            received.update(publisher.receive_bucket(layout))
-        queue.put({k: v.tolist() for k, v in received.items()})
-    dist.destroy_process_group()
+        layouts = tensor_layouts(tensors, bucket_bytes=1)  # the layouts travel as metadata
+        received = dict(broadcast_receive(group, layouts))
+        queue.put(("received", {k: v.cpu().numpy().tolist() for k, v in received.items()}))
+    group.close()
 
 
 def run_broadcast(backend: str) -> None:
     arrays = {
         "a": np.arange(12, dtype=np.float32).reshape(3, 4),
-        "b": np.array([1, -2, 3], dtype=np.int16),  # a bfloat16 view travels as int16
+        "b": np.array([1, -2, 3], dtype=np.int16),
         "c": np.random.default_rng(0).standard_normal(50).astype(np.float32),
     }
     with socket.socket() as s:
@@ -153,10 +153,12 @@ def run_broadcast(backend: str) -> None:
     ]
     for p in procs:
         p.start()
-    received = queue.get(timeout=120)
+    results = dict((kind, rest) for kind, *rest in (queue.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    assert results["sent"] == [7, 3]
+    received = results["received"][0]
     for name, array in arrays.items():
         np.testing.assert_array_equal(np.array(received[name], dtype=array.dtype), array)
 
@@ -172,3 +174,27 @@ def test_bucketed_broadcast_delivers_every_parameter_bit_exactly():
 )
 def test_bucketed_broadcast_over_nccl():
     run_broadcast("nccl")
+
+
+def test_a_failed_weight_load_fails_the_batch_with_its_own_error(ray_local):
+    # The load happens inside the batch's call, so its error is the batch's error, not a later
+    # VersionMismatchError. Failure injected by publishing a parameter of the wrong shape.
+    import ray
+
+    from staleflow.actors.worker import WeightLoadError
+
+    cfg = parse_config(
+        "model: {preset: tiny}\ntask: {name: digits, chat_template: false}\n"
+        "rollout: {prompts_per_batch: 1, group_size: 2, max_new_tokens: 2}\n"
+    )
+    model, _ = tiny_model(seed=0)
+    arrays = {n: t.detach().numpy() for n, t in model.state_dict().items()}
+    name = next(iter(arrays))
+    arrays[name] = np.zeros((3, 3), np.float32)
+    handle = RayPublisher().publish(arrays, version=1)
+    actor = ray.remote(RolloutWorker).remote(cfg, run_id="bad-load")
+    with pytest.raises(WeightLoadError, match=rf"loading weights v1 into the HFEngine failed: "
+                       rf"ValueError: parameter '{name}': got shape \(3, 3\)"):  # fmt: skip
+        ray.get(actor.run_batch.remote(1, None, handle), timeout=120)
+    assert ray.get(actor.run_batch.remote(0), timeout=120).groups == 1  # still usable at v0
+    ray.kill(actor)

@@ -1,0 +1,173 @@
+"""What a run asks of the cluster, checked before anything starts.
+
+A Ray actor whose resources no node can give waits forever; so the driver first packs every
+actor the run needs (learner ranks, rollout workers) onto the cluster's nodes, the way Ray
+places fractional GPUs (a share of at most 1 must fit on one GPU, larger shares take whole
+GPUs), and refuses with what was asked and what the cluster has. The weight-sync method is
+checked against the placement too (`check_sync_method`): a method that cannot work there is
+refused, never replaced by another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from staleflow.configs.loader import ConfigError
+
+__all__ = [
+    "ActorRequest",
+    "NodeCapacity",
+    "PlacementError",
+    "check_sync_method",
+    "cluster_nodes",
+    "fit",
+    "run_requests",
+]
+
+_EPS = 1e-9
+
+
+class PlacementError(ConfigError):
+    """The run cannot be placed on this cluster (or its sync method cannot work there)."""
+
+
+@dataclass(frozen=True)
+class ActorRequest:
+    role: str  # "learner rank 0", "rollout worker 1"
+    cpus: float
+    gpus: float
+
+
+@dataclass
+class NodeCapacity:
+    name: str
+    cpus: float
+    gpus: list[float] = field(default_factory=list)  # free share of each GPU
+
+    @classmethod
+    def of(cls, name: str, cpus: float, gpus: float) -> NodeCapacity:
+        return cls(name, cpus, [1.0] * int(gpus + _EPS))
+
+    def take(self, request: ActorRequest) -> bool:
+        """Reserve `request` here if it fits (first GPU with room for a fraction)."""
+        if request.cpus > self.cpus + _EPS:
+            return False
+        gpus = request.gpus
+        if 0 < gpus <= 1:
+            fits = [i for i, free in enumerate(self.gpus) if free + _EPS >= gpus]
+            if not fits:
+                return False
+            self.gpus[fits[0]] -= gpus
+        elif gpus > 1:
+            whole = [i for i, free in enumerate(self.gpus) if free >= 1 - _EPS]
+            if len(whole) < gpus:
+                return False
+            for i in whole[: int(gpus)]:
+                self.gpus[i] = 0.0
+        self.cpus -= request.cpus
+        return True
+
+
+def run_requests(cfg: Any) -> list[ActorRequest]:
+    """Every actor the run starts, with the resources placement.py asks Ray for."""
+    learner, rollout = cfg.learner, cfg.rollout
+    ranks = [
+        ActorRequest(f"learner rank {r}", 1.0, learner.gpus_per_rank)
+        for r in range(learner.num_ranks)
+    ]
+    workers = [
+        ActorRequest(f"rollout worker {i}", rollout.cpus_per_worker, rollout.gpus_per_worker)
+        for i in range(rollout.num_workers)
+    ]
+    return ranks + workers
+
+
+def fit(requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity]) -> None:
+    """Place `requests` (largest GPU share first) on `nodes`; raise PlacementError naming the
+    first actor that does not fit, what the run asks and what the cluster has."""
+    free = [NodeCapacity(n.name, n.cpus, list(n.gpus)) for n in nodes]
+    order = sorted(requests, key=lambda r: (-r.gpus, -r.cpus))
+    for request in order:
+        if not any(node.take(request) for node in free):
+            raise PlacementError(_refusal(request, requests, nodes))
+
+
+def _refusal(
+    failed: ActorRequest, requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity]
+) -> str:
+    asked = {}
+    for r in requests:
+        role = r.role.rsplit(" ", 1)[0]
+        count, cpus, gpus = asked.get(role, (0, r.cpus, r.gpus))
+        asked[role] = (count + 1, cpus, gpus)
+    wants = "; ".join(
+        f"{n} x {role} ({cpus:g} CPU, {gpus:g} GPU each)" for role, (n, cpus, gpus) in asked.items()
+    )
+    total_cpu = sum(r.cpus for r in requests)
+    total_gpu = sum(r.gpus for r in requests)
+    has = "; ".join(f"{n.name}: {n.cpus:g} CPU, {len(n.gpus)} GPU" for n in nodes) or "no nodes"
+    hint = (
+        "GPU shares placed on one GPU must add up to at most 1 (e.g. learner.gpus_per_rank=0.5 "
+        "with two workers at rollout.gpus_per_worker=0.25), or add GPUs"
+        if failed.gpus > 0
+        else "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes"
+    )
+    return (
+        f"the cluster cannot hold this run: {failed.role} ({failed.cpus:g} CPU, "
+        f"{failed.gpus:g} GPU) fits on no node. The run asks for {wants} = {total_cpu:g} CPU, "
+        f"{total_gpu:g} GPU; the cluster has {has}. {hint}."
+    )
+
+
+def cluster_nodes() -> list[NodeCapacity]:
+    """The alive nodes of the connected Ray cluster and their total CPUs and GPUs."""
+    import ray
+
+    nodes = []
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        name = node.get("NodeManagerAddress", node.get("NodeID", "?"))
+        nodes.append(NodeCapacity.of(str(name), res.get("CPU", 0.0), res.get("GPU", 0.0)))
+    return nodes
+
+
+def check_sync_method(cfg: Any) -> None:
+    """Refuse a weight-sync method that cannot work with this placement and schedule."""
+    sync, learner, rollout = cfg.sync, cfg.learner, cfg.rollout
+    if sync.method == "nccl" and (learner.gpus_per_rank < 1 or rollout.gpus_per_worker < 1):
+        raise PlacementError(
+            f"sync.method: nccl needs the learner and every worker on GPUs of their own "
+            f"(learner.gpus_per_rank >= 1 and rollout.gpus_per_worker >= 1; got "
+            f"{learner.gpus_per_rank:g} and {rollout.gpus_per_worker:g}): NCCL cannot join two "
+            "ranks on one GPU, and CPU roles have none. Use sync.method: ray for colocated "
+            "runs, or sync.method: gloo for CPU roles"
+        )
+    if sync.method == "gloo" and (learner.gpus_per_rank > 0 or rollout.gpus_per_worker > 0):
+        raise PlacementError(
+            "sync.method: gloo broadcasts from CPU memory and is meant for CPU roles "
+            "(learner.gpus_per_rank=0, rollout.gpus_per_worker=0); with GPUs use sync.method: "
+            "nccl (separate GPUs) or ray"
+        )
+    broadcast = sync.method in ("nccl", "gloo")
+    if broadcast and sync.mode == "lockstep":
+        if sync.offset > 0:
+            raise PlacementError(
+                f"sync.method: {sync.method} loads weights into the engines as they are "
+                f"broadcast, but lockstep with sync.offset={sync.offset} runs batches on "
+                "versions older than the newest; use sync.method: ray (it keeps them)"
+            )
+        every = cfg.run.eval_every
+        if every and every % sync.interval:
+            raise PlacementError(
+                f"sync.method: {sync.method} with lockstep evaluates only published versions: "
+                f"run.eval_every ({every}) must be a multiple of sync.interval ({sync.interval})"
+            )
+    if broadcast and rollout.engine == "vllm" and rollout.gpus_per_worker > 1:
+        raise PlacementError(
+            "broadcast sync with a vLLM engine over several GPUs is not supported; "
+            "use rollout.gpus_per_worker <= 1 or sync.method: ray"
+        )

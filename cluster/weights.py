@@ -1,0 +1,88 @@
+"""Publishing weights to the rollout workers, per `sync.method` (design.md section 5).
+
+- `ray`: learner rank 0 puts buckets of numpy arrays in the object store; each worker fetches
+  them at its next batch boundary (inside the call that needs them).
+- `checkpoint`: safetensors files in `sync.checkpoint_dir` (default: <run dir>/weights).
+- `nccl` / `gloo`: learner rank 0 and every active worker's engine form a process group of
+  their own (rendezvous on rank 0's node address); each update is one remote call per member
+  and one collective per bucket, from the learner's device straight into the engines'
+  weights. Every member takes part at once, so a broadcast waits for the workers' current
+  batches; the group is formed again whenever the set of workers changed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+__all__ = ["WeightSync", "get_all"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WeightSync:
+    cfg: Any
+    learner: Any  # placement.LearnerGroup
+    pool: Any  # placement.WorkerPool
+    _members: tuple[int, ...] | None = None
+    _layouts: Any = None
+    _groups_formed: int = field(default=0)
+
+    @property
+    def broadcasts(self) -> bool:
+        """Whether publishing loads the weights into the workers right away."""
+        return bool(self.cfg.sync.method in ("nccl", "gloo"))
+
+    def publish(self, version: int) -> Any:
+        """Publish the learner's current weights as `version`; returns the handle workers load
+        (for broadcast methods: already loaded in every active worker)."""
+        if not self.broadcasts:
+            return self.learner.publish()
+        members = [s for s in self.pool.slots if not s.retiring]
+        if tuple(s.index for s in members) != self._members:
+            self._form_group(members)
+        ranks = self.learner.ranks
+        refs = [r.broadcast.remote(version) for r in ranks]
+        refs += [s.handle.receive_broadcast.remote(self._layouts, version) for s in members]
+        handle = get_all(refs)[0]
+        for slot in members:
+            slot.version = version
+        return handle
+
+    def _form_group(self, members: Sequence[Any]) -> None:
+        sync = self.cfg.sync
+        rank0 = self.learner.ranks[0]
+        if self._layouts is None:
+            ranks = self.learner.ranks
+            self._layouts = get_all([r.sync_layouts.remote(sync.bucket_mb << 20) for r in ranks])[0]
+        host, port = ray.get(rank0.sync_address.remote())
+        world = 1 + len(members)
+        refs = [rank0.open_sync_group.remote(host, port, world)]
+        refs += [
+            s.handle.join_sync_group.remote(
+                host, port, i + 1, world, sync.method, sync.broadcast_timeout_s
+            )
+            for i, s in enumerate(members)
+        ]
+        get_all(refs)
+        self._members = tuple(s.index for s in members)
+        self._groups_formed += 1
+        logger.info(
+            "weight broadcast group (%s) at %s:%d: learner rank 0 + %d engine(s)",
+            sync.method, host, port, len(members),
+        )  # fmt: skip
+
+
+def get_all(refs: Sequence[Any]) -> list[Any]:
+    """ray.get of every ref, raising the first failure as soon as it happens (a member that
+    failed would otherwise leave the others waiting for it until their timeout)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(list(refs))

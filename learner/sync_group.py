@@ -1,0 +1,102 @@
+"""A process group of its own for weight broadcasts: learner rank 0 and the rollout engines.
+
+The learner ranks already form torch.distributed's default group (DeepSpeed), and the engines
+are separate processes that are not in it, so the broadcast group is built directly from a
+TCPStore on rank 0's node address and a backend's process group class, outside the default
+group: NCCL between GPUs, gloo on CPUs. Rank 0 (the sender) hosts the store; receivers are
+ranks 1..N. Every member must open the group at the same time (the driver calls them together),
+and a member that never comes fails the others after `timeout_s`, instead of a hang.
+
+    group = SyncGroup.open("nccl", host, port, rank, world_size)
+    group.broadcast(tensor)          # in-place on receivers; same shape and dtype everywhere
+    group.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["SyncGroup", "free_port", "node_address"]
+
+
+@dataclass
+class SyncGroup:
+    backend: str
+    rank: int
+    world_size: int
+    store: Any
+    group: Any
+
+    @classmethod
+    def open(
+        cls,
+        backend: str,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 300.0,
+    ) -> SyncGroup:
+        import torch.distributed as dist
+
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"broadcast backend must be nccl or gloo, got {backend!r}")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
+        )
+        if backend == "gloo":
+            group: Any = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        return cls(backend, rank, world_size, store, group)
+
+    @property
+    def device(self) -> torch.device:
+        """Where broadcast tensors must live for this backend."""
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.backend == "nccl"
+            else (torch.device("cpu"))
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        options.rootTensor = 0
+        self.group.broadcast([tensor], options).wait()
+
+    def close(self) -> None:
+        shutdown = getattr(self.group, "shutdown", None)
+        if shutdown is not None:
+            with contextlib.suppress(RuntimeError):  # already torn down by a failed peer
+                shutdown()
+        self.group = self.store = None
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (what other nodes reach), else the hostname's."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -1,0 +1,105 @@
+"""Placement before anything starts: what fits a cluster, and the refusals' messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.cluster.resources import (
+    ActorRequest,
+    NodeCapacity,
+    PlacementError,
+    check_sync_method,
+    fit,
+    run_requests,
+)
+from staleflow.configs import parse_config
+
+BASE = "model: {preset: tiny}\ntask: {name: digits, chat_template: false}\n"
+
+
+def cfg(*overrides: str):
+    return parse_config(BASE, list(overrides))
+
+
+def test_requests_take_the_learners_share_from_its_own_setting():
+    requests = run_requests(
+        cfg("rollout.num_workers=2", "rollout.gpus_per_worker=0.25", "learner.gpus_per_rank=0.5")
+    )
+    assert [(r.role, r.cpus, r.gpus) for r in requests] == [
+        ("learner rank 0", 1.0, 0.5),
+        ("rollout worker 0", 1.0, 0.25),
+        ("rollout worker 1", 1.0, 0.25),
+    ]
+    # a CPU learner stays at 0 GPU whatever the workers ask (it used to take a whole GPU)
+    assert run_requests(cfg("rollout.gpus_per_worker=1"))[0].gpus == 0.0
+
+
+def test_colocated_shares_fit_one_gpu():
+    one_gpu = [NodeCapacity.of("127.0.0.1", cpus=16, gpus=1)]
+    # 0.5 + 0.25 + 0.25 = 1 GPU: learner and both workers share it
+    fit(run_requests(cfg("rollout.gpus_per_worker=0.25", "learner.gpus_per_rank=0.5")), one_gpu)
+
+
+def test_the_one_gpu_hang_is_refused_with_what_was_asked_and_what_there_is():
+    # the reported hang: workers at 0.5 GPU each plus a learner at 1 GPU on a 1-GPU machine
+    one_gpu = [NodeCapacity.of("10.0.0.5", cpus=16, gpus=1)]
+    run = cfg("rollout.num_workers=1", "rollout.gpus_per_worker=0.5", "learner.gpus_per_rank=1")
+    with pytest.raises(PlacementError) as err:
+        fit(run_requests(run), one_gpu)
+    message = str(err.value)
+    assert "rollout worker 0 (1 CPU, 0.5 GPU) fits on no node" in message
+    assert "1 x learner rank (1 CPU, 1 GPU each); 1 x rollout worker (1 CPU, 0.5 GPU each)" in (
+        message
+    )
+    assert "= 2 CPU, 1.5 GPU; the cluster has 10.0.0.5: 16 CPU, 1 GPU" in message
+    assert "must add up to at most 1" in message
+
+
+def test_fractions_never_span_two_gpus():
+    # 0.6 + 0.6 on two GPUs: one each (0.4 free on each, not 0.8 anywhere)
+    node = NodeCapacity.of("n", cpus=8, gpus=2)
+    fit([ActorRequest("a", 1, 0.6), ActorRequest("b", 1, 0.6)], [node])
+    with pytest.raises(PlacementError, match=r"c .* fits on no node"):
+        fit([ActorRequest(r, 1, 0.6) for r in "abc"], [node])
+
+
+def test_whole_gpus_and_cpus_are_counted_per_node():
+    nodes = [NodeCapacity.of("a", cpus=2, gpus=2), NodeCapacity.of("b", cpus=2, gpus=2)]
+    fit([ActorRequest("x", 1, 2), ActorRequest("y", 1, 2)], nodes)  # one node each
+    with pytest.raises(PlacementError, match=r"z .3 CPU, 0 GPU. fits on no node"):
+        fit([ActorRequest("z", 3, 0)], nodes)  # 4 CPUs in all, but 2 per node
+    with pytest.raises(PlacementError, match=r"lower rollout\.num_workers"):
+        fit([ActorRequest("z", 3, 0)], nodes)
+    with pytest.raises(PlacementError, match="the cluster has no nodes"):
+        fit([ActorRequest("z", 1, 0)], [])
+
+
+def test_nccl_is_refused_where_it_cannot_work():
+    gpus = ("learner.gpus_per_rank=1", "rollout.gpus_per_worker=1", "sync.method=nccl")
+    check_sync_method(cfg(*gpus))  # separate whole GPUs: fine
+    with pytest.raises(PlacementError, match="NCCL cannot join two ranks on one GPU"):
+        check_sync_method(cfg("learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5",
+                              "sync.method=nccl"))  # fmt: skip
+    with pytest.raises(PlacementError, match=r"got 0 and 0\).*sync.method: gloo for CPU roles"):
+        check_sync_method(cfg("sync.method=nccl"))
+    with pytest.raises(PlacementError, match=r"sync\.offset=1 runs batches on versions older"):
+        check_sync_method(cfg(*gpus, "sync.offset=1"))
+    with pytest.raises(PlacementError, match=r"eval_every \(10\) must be a multiple of sync.int"):
+        check_sync_method(cfg(*gpus, "sync.interval=4"))
+    check_sync_method(cfg(*gpus, "sync.interval=5"))  # eval every 10 = every second sync
+    check_sync_method(cfg(*gpus, "sync.interval=4", "sync.mode=async"))  # async: no schedule
+
+
+def test_gloo_is_for_cpu_roles():
+    check_sync_method(cfg("sync.method=gloo"))
+    with pytest.raises(PlacementError, match="gloo broadcasts from CPU memory"):
+        check_sync_method(cfg("sync.method=gloo", "rollout.gpus_per_worker=1"))
+
+
+def test_shipped_paper_config_passes_its_own_sync_check():
+    from pathlib import Path
+
+    from staleflow.configs import load_config
+
+    root = Path(__file__).resolve().parents[2]
+    check_sync_method(load_config(root / "configs" / "paper" / "rec-gsm8k.yaml"))
