@@ -76,9 +76,12 @@ $(VLLM_VENV)/.staleflow-vllm: pyproject.toml Makefile
 	  redis hiredis gguf pytest pytest-timeout
 	touch $@
 
-# The engine tests that need vLLM (not part of `make test`).
+# The engine tests that need vLLM (not part of `make test`), in both of vLLM's modes: the
+# engine core in-process, and in its own process (vLLM's default, where every weight update
+# crosses vLLM's IPC).
 test-vllm-cpu: vllm-cpu
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
+	VLLM_ENABLE_V1_MULTIPROCESSING=1 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

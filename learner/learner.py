@@ -127,6 +127,7 @@ class Learner:
             model, tokenizer = load_model(cfg.model, device=self.device)
         if tokenizer is None:
             raise ValueError("a learner given a model needs its tokenizer (for the pad id)")
+        model = model.to(self.device)
         self.cfg = cfg
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.loss_fn = loss_from_config(cfg.learner.loss)

@@ -45,3 +45,11 @@ def test_wheel_contains_the_mapped_packages_and_configs(tmp_path):
     ):
         assert expected in names
     assert not any(n.startswith(("learner/", "tests/", "configs/")) for n in names)
+
+
+def test_vllm_is_a_declared_extra_pinned_to_the_verified_release():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["vllm"] == ["vllm==0.25.0"]
+    assert "0.25.0" in (REPO / "README.md").read_text()  # README says which was verified

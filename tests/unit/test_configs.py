@@ -36,7 +36,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_configs_are_shipped():
     names = {p.relative_to(REPO / "configs").as_posix() for p in SHIPPED}
-    assert {"quickstart.yaml", "tiny.yaml", "paper/rec-gsm8k.yaml"} <= names
+    assert {"quickstart.yaml", "quickstart-gpu.yaml", "tiny.yaml", "paper/rec-gsm8k.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from staleflow.cluster.resources import (
@@ -12,7 +14,7 @@ from staleflow.cluster.resources import (
     fit,
     run_requests,
 )
-from staleflow.configs import parse_config
+from staleflow.configs import load_config, parse_config
 
 BASE = "model: {preset: tiny}\ntask: {name: digits, chat_template: false}\n"
 
@@ -96,10 +98,19 @@ def test_gloo_is_for_cpu_roles():
         check_sync_method(cfg("sync.method=gloo", "rollout.gpus_per_worker=1"))
 
 
-def test_shipped_paper_config_passes_its_own_sync_check():
-    from pathlib import Path
+REPO = Path(__file__).resolve().parents[2]
+RUN_CONFIGS = sorted(p for p in (REPO / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
 
-    from staleflow.configs import load_config
 
-    root = Path(__file__).resolve().parents[2]
-    check_sync_method(load_config(root / "configs" / "paper" / "rec-gsm8k.yaml"))
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_shipped_config_passes_its_own_sync_check(path):
+    check_sync_method(load_config(path))
+
+
+def test_gpu_quickstart_fits_one_gpu_colocated_and_nothing_without_one():
+    cfg = load_config(REPO / "configs" / "quickstart-gpu.yaml")
+    assert cfg.rollout.engine == "vllm"
+    assert cfg.rollout.vllm.multiprocessing  # vLLM's default mode
+    fit(run_requests(cfg), [NodeCapacity.of("gpu-box", cpus=16, gpus=1)])
+    with pytest.raises(PlacementError, match="the cluster has laptop: 8 CPU, 0 GPU"):
+        fit(run_requests(cfg), [NodeCapacity.of("laptop", cpus=8, gpus=0)])

@@ -1,4 +1,8 @@
-"""The vLLM engine, run for real on CPU with vllm-cpu (`make test-vllm-cpu`; not in `make test`)."""
+"""The vLLM engine, run for real: on CPU with vllm-cpu (`make test-vllm-cpu`, which runs this
+file in both of vLLM's modes), and on a GPU with vLLM (`pytest -m gpu`). Not in `make test`.
+
+The mode comes from VLLM_ENABLE_V1_MULTIPROCESSING: 0 keeps the engine core in this process;
+1 (vLLM's default) puts it in its own process, so every weight update crosses vLLM's IPC."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import torch
 from staleflow.actors.engine import SamplingParams
 from staleflow.actors.models import tiny_dir, tiny_model
 
-pytestmark = pytest.mark.vllm_cpu
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.gpu]
+pytest.importorskip("vllm")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +74,43 @@ def test_load_weights_in_buckets_changes_outputs(engine):
     )
     # and what it generates now is exactly the new weights' distribution
     for prompt, row in zip(batch, after, strict=True):
+        for c in row:
+            np.testing.assert_allclose(
+                c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
+            )
+
+
+def _send_weights(port: int, seed: int, bucket_bytes: int) -> None:
+    """Learner rank 0's side of a broadcast update, in a process of its own."""
+    from staleflow.learner.publish import broadcast_send
+    from staleflow.learner.sync_group import SyncGroup
+
+    model, _ = tiny_model(seed=seed)
+    group = SyncGroup.open("gloo", "127.0.0.1", port, 0, 2, timeout_s=120)
+    broadcast_send(group, dict(model.state_dict()), bucket_bytes, version=9)
+    group.close()
+
+
+def test_broadcast_update_reaches_the_engines_own_process(engine):
+    # sync.method gloo: the engine's worker joins the learner's group and receives the
+    # tensors itself; nothing but the layouts crosses vLLM's IPC
+    import multiprocessing as mp
+
+    from staleflow.learner.publish import tensor_layouts
+    from staleflow.learner.sync_group import free_port
+
+    other, tokenizer = tiny_model(seed=2)
+    port = free_port("127.0.0.1")
+    sender = mp.get_context("spawn").Process(target=_send_weights, args=(port, 2, 64 << 10))
+    sender.start()
+    engine.join_sync_group("127.0.0.1", port, 1, 2, "gloo", 120.0)
+    engine.receive_broadcast(tensor_layouts(dict(other.state_dict()), 64 << 10), 9)
+    sender.join(timeout=120)
+    assert sender.exitcode == 0
+    assert engine.version == 9
+    batch = prompt_ids(tokenizer)
+    out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=5))
+    for prompt, row in zip(batch, out, strict=True):
         for c in row:
             np.testing.assert_allclose(
                 c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4

@@ -1,0 +1,147 @@
+"""Weight sync per method: publish on the learner's side + load into an engine, in one run.
+
+    python bench/sync.py [--model smollm2-135m|tiny] [--rounds 5]
+
+The sender (a Ray actor holding the weights, as learner rank 0 does) and the receiver (this
+process, with an HF engine on the same model) are separate processes, as in a run. Each method
+is timed end to end (publish, transfer, copy into the engine's parameters), median of the
+rounds, beside two bounds measured in the same run: a plain memcpy of the same bytes, and the
+engine's own load of arrays already in this process (the copy no method can avoid).
+Methods: ray (object store), checkpoint (safetensors files), gloo (broadcast over a process
+group; the nccl code path on CPU), and nccl when two GPUs are visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Sender:
+    """Learner rank 0's side: the weights, and each method's publish."""
+
+    def __init__(self, model_name: str, directory: str, device: str) -> None:
+        from staleflow.actors.models import load_model
+        from staleflow.configs.schema import ModelConfig
+
+        model, _ = load_model(ModelConfig(preset=model_name), device=device)
+        self.tensors = {k: v.detach() for k, v in model.state_dict().items()}
+        self.arrays = {k: v.cpu().numpy() for k, v in self.tensors.items()}
+        self.directory = directory
+        self.group: Any = None
+
+    def publish(self, method: str, version: int) -> Any:
+        from staleflow.learner.publish import CheckpointPublisher, RayPublisher
+
+        if method == "ray":
+            return RayPublisher().publish(self.arrays, version)
+        return CheckpointPublisher(self.directory).publish(self.arrays, version)
+
+    def layouts(self) -> Any:
+        from staleflow.learner.publish import tensor_layouts
+
+        return tensor_layouts(self.tensors, 256 << 20)
+
+    def open(self, backend: str, port: int) -> None:
+        from staleflow.learner.sync_group import SyncGroup
+
+        self.group = SyncGroup.open(backend, "127.0.0.1", port, 0, 2, timeout_s=120)
+
+    def send(self, version: int) -> float:
+        from staleflow.learner.publish import broadcast_send
+
+        return broadcast_send(self.group, self.tensors, 256 << 20, version).stats.seconds
+
+
+def median_time(fn: Callable[[], Any], rounds: int) -> float:
+    fn()  # warm-up
+    runs = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny"])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    from staleflow.actors.hf_engine import HFEngine, load_named_arrays
+    from staleflow.actors.models import load_model, prepare_model
+    from staleflow.configs.schema import ModelConfig
+    from staleflow.learner.publish import broadcast_receive
+    from staleflow.learner.sync_group import SyncGroup, free_port
+
+    prepare_model(ModelConfig(preset=args.model))
+    gpus = torch.cuda.device_count()
+    ray.init(num_cpus=4, num_gpus=min(gpus, 1), include_dashboard=False,
+             _node_ip_address="127.0.0.1", log_to_driver=False)  # fmt: skip
+    model, tokenizer = load_model(ModelConfig(preset=args.model))
+    engine = HFEngine(model, tokenizer)
+    params = dict(model.state_dict(keep_vars=True))
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        sender = ray.remote(Sender).options(num_cpus=1).remote(args.model, tmp, "cpu")
+        arrays = ray.get(sender.publish.remote("ray", 0)).arrays()
+        local = {k: np.array(v) for k, v in arrays}
+        nbytes = sum(a.nbytes for a in local.values())
+        copies = {k: np.empty_like(v) for k, v in local.items()}
+        results["memcpy (bound)"] = median_time(
+            lambda: [np.copyto(copies[k], v) for k, v in local.items()], args.rounds
+        )
+        results["engine load only"] = median_time(
+            lambda: load_named_arrays(params, local), args.rounds
+        )
+        version = iter(range(1, 10_000))
+        for method in ("ray", "checkpoint"):
+
+            def via(method: str = method) -> None:
+                handle = ray.get(sender.publish.remote(method, next(version)))
+                engine.load_weights(handle.arrays(), handle.version)
+
+            results[method] = median_time(via, args.rounds)
+
+        layouts = ray.get(sender.layouts.remote())
+        port = free_port("127.0.0.1")
+        opened = sender.open.remote("gloo", port)
+        group = SyncGroup.open("gloo", "127.0.0.1", port, 1, 2, timeout_s=120)
+        ray.get(opened)
+
+        def via_gloo() -> None:
+            v = next(version)
+            sent = sender.send.remote(v)
+            engine.load_weights(broadcast_receive(group, layouts), v)
+            ray.get(sent)
+
+        results["gloo broadcast"] = median_time(via_gloo, args.rounds)
+        group.close()
+    if gpus >= 2:
+        print("nccl: two GPUs visible; run the gpu tests' NCCL broadcast for its figure")
+    else:
+        print(f"nccl: not measured here ({gpus} GPU visible; NCCL needs one GPU per end)")
+    base = results["memcpy (bound)"]
+    print(f"[{args.model}] weight sync of {nbytes / 1e6:.1f} MB, publish + load into an engine "
+          f"in another process, median of {args.rounds}")  # fmt: skip
+    for name, seconds in results.items():
+        print(f"  {name:17} {seconds * 1e3:8.1f} ms  {nbytes / 1e9 / seconds:6.2f} GB/s  "
+              f"{seconds / base:5.2f}x memcpy")  # fmt: skip
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""On one CUDA GPU (`pytest -m gpu`; skipped without one): learner and engines on CUDA, and
+tiny runs end to end with each engine. Not part of `make test` (CI has no GPU)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _learner_step(gpus: float, queue) -> None:
+    """In a fresh process (DeepSpeed's backend and accelerator are per process): one step on
+    the same off-policy groups (sampled on the CPU), then the metrics and the new weights."""
+    from tests.integration.test_learner import config, new_learner, sampled_groups
+
+    learner = new_learner(config(gpus_per_rank=gpus))
+    metrics = learner.step(sampled_groups(behaviour_seed=1))
+    queue.put((str(learner.device), metrics, learner.state_dict_for_sync()))
+
+
+def step_on(gpus: float):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_learner_step, args=(gpus, queue))
+    proc.start()
+    result = queue.get(timeout=300)
+    proc.join(timeout=60)
+    return result
+
+
+def test_learner_step_on_cuda_equals_the_cpu_step():
+    cpu_device, cpu_metrics, cpu_weights = step_on(0.0)
+    gpu_device, gpu_metrics, gpu_weights = step_on(1.0)
+    assert (cpu_device, gpu_device) == ("cpu", "cuda:0")
+    for key in ("loss", "grad_norm", "ratio_mean", "clip_frac", "entropy"):
+        assert gpu_metrics[key] == pytest.approx(cpu_metrics[key], rel=1e-3, abs=1e-5), key
+    for name, array in cpu_weights.items():
+        np.testing.assert_allclose(gpu_weights[name], array, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_hf_engine_on_cuda_records_the_models_logprobs():
+    from staleflow.actors.engine import SamplingParams
+    from staleflow.actors.hf_engine import HFEngine
+    from staleflow.actors.models import tiny_model
+
+    model, tokenizer = tiny_model(seed=0)
+    engine = HFEngine(model.to("cuda"), tokenizer)
+    prompts = [tokenizer("12 + 7 =").input_ids, tokenizer("hello").input_ids]
+    out = engine.generate(prompts, 4, SamplingParams(0.8, max_new_tokens=10, seed=1))
+    for prompt, row in zip(prompts, out, strict=True):
+        for c in row:
+            ids = torch.tensor([list(prompt) + c.token_ids.tolist()], device="cuda")
+            with torch.no_grad():
+                logits = engine.model(ids).logits[0, len(prompt) - 1 : -1].float() / 0.8
+            expected = torch.log_softmax(logits, -1).gather(
+                1, ids[0, len(prompt) :, None]).squeeze(1).cpu().numpy()  # fmt: skip
+            np.testing.assert_allclose(c.logprobs, expected, atol=1e-4)
+
+
+def _tiny_run(tmp_path: Path, *overrides: str):
+    from tests.integration.tiny import run_driver, steps_of
+
+    _cfg, _run, summary, records = run_driver(
+        tmp_path, "run.steps=20", "rollout.num_workers=1", "rollout.prompts_per_batch=4",
+        "rollout.group_size=8", "rollout.max_new_tokens=8", "learner.optimizer.lr=3.0e-3",
+        "sync.offset=0", "learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5",
+        *overrides,
+    )  # fmt: skip
+    assert summary["status"] == "completed"
+    assert summary["groups"]["reconciled"]
+    rewards = [r["reward_mean"] for r in steps_of(records)]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]), rewards  # the digits reward rises
+    return summary
+
+
+def test_tiny_run_on_one_gpu_with_the_hf_engine(tmp_path, ray_gpu):
+    _tiny_run(tmp_path)
+
+
+def test_tiny_run_on_one_gpu_with_vllm_in_its_default_mode(tmp_path, ray_gpu):
+    pytest.importorskip("vllm")
+    _tiny_run(tmp_path, "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.3",
+              "rollout.vllm.max_model_len=256", "rollout.vllm.enforce_eager=true")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ray_gpu():
+    import os
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=8, num_gpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=True, configure_logging=False)  # fmt: skip
+    yield
+    ray.shutdown()
