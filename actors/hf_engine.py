@@ -118,9 +118,9 @@ class HFEngine:
         """Join the learner's broadcast group (staleflow.learner.sync_group) as `rank`."""
         from staleflow.learner.sync_group import SyncGroup
 
-        if self._sync_group is not None:
-            self._sync_group.close()
-        self._sync_group = SyncGroup.open(backend, host, port, rank, world_size, timeout_s)
+        self._sync_group = SyncGroup.reopen(
+            self._sync_group, backend, host, port, rank, world_size, timeout_s
+        )
 
     def receive_broadcast(self, layouts: list[Any], version: int) -> None:
         """Receive one broadcast update straight into the model's parameters."""

@@ -64,9 +64,9 @@ class WeightLoaderExtension:
         from staleflow.learner.sync_group import SyncGroup
 
         previous = getattr(self, "_staleflow_group", None)
-        if previous is not None:
-            previous.close()
-        self._staleflow_group = SyncGroup.open(backend, host, port, rank, world_size, timeout_s)
+        self._staleflow_group = SyncGroup.reopen(
+            previous, backend, host, port, rank, world_size, timeout_s
+        )
 
     def staleflow_receive(self, layouts: list[Any]) -> int:
         from staleflow.learner.publish import broadcast_receive

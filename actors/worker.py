@@ -9,11 +9,12 @@ one version, the one it is tagged with.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,13 +120,9 @@ class RolloutWorker:
         """Install weights published by the learner (a `RayWeights` or `CheckpointWeights`
         from staleflow.learner.publish), fetching them bucket by bucket. A failure raises
         `WeightLoadError` with the engine's own error as its cause."""
-        try:
+        with self._load_errors(f"loading weights v{handle.version} into the "
+                               f"{type(self.engine).__name__}"):  # fmt: skip
             return self.load_weights(handle.arrays(), handle.version)
-        except Exception as exc:
-            raise WeightLoadError(
-                f"{self.worker_id}: loading weights v{handle.version} into the "
-                f"{type(self.engine).__name__} failed: {type(exc).__name__}: {exc}"
-            ) from exc
 
     def join_sync_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
@@ -138,14 +135,19 @@ class RolloutWorker:
 
     def receive_broadcast(self, layouts: list[Any], version: int) -> int:
         """Receive one broadcast update (the learner sends it at the same time)."""
-        try:
+        with self._load_errors(f"receiving broadcast weights v{version}"):
             self.engine.receive_broadcast(layouts, version)  # type: ignore[attr-defined]
+        return self.engine.version
+
+    @contextlib.contextmanager
+    def _load_errors(self, what: str) -> Iterator[None]:
+        """Any error inside becomes a WeightLoadError naming the worker and what failed."""
+        try:
+            yield
         except Exception as exc:
             raise WeightLoadError(
-                f"{self.worker_id}: receiving broadcast weights v{version} failed: "
-                f"{type(exc).__name__}: {exc}"
+                f"{self.worker_id}: {what} failed: {type(exc).__name__}: {exc}"
             ) from exc
-        return self.engine.version
 
     def _ensure(self, weights: Any) -> None:
         if weights is not None and weights.version != self.engine.version:

@@ -59,12 +59,12 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
 SCALE_HEADROOM = 4
 
 
-def _actor_env(cpus: float, gpus: float, extra: dict[str, str] | None = None) -> dict[str, Any]:
+def _actor_env(cpus: float, gpus: float) -> dict[str, Any]:
     """Ray sets OMP_NUM_THREADS=1 in actors; give torch the CPUs the actor reserved. An actor
     with no GPU share sees no GPU (Ray would leave the machine's GPUs visible to it)."""
     threads = str(max(1, int(cpus)))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, **hidden_gpus_env(gpus)}
-    return {"env_vars": {**env, **(extra or {})}}
+    return {"env_vars": env}
 
 
 # --------------------------------------------------------------------------- rollout workers
@@ -94,14 +94,10 @@ class WorkerPool:
 
     def __post_init__(self) -> None:
         rollout = self.cfg.rollout
-        extra = {}
-        if rollout.engine == "vllm":
-            multiprocessing = "1" if rollout.vllm.multiprocessing else "0"
-            extra["VLLM_ENABLE_V1_MULTIPROCESSING"] = multiprocessing
         self._actor = ray.remote(RolloutWorker).options(  # type: ignore[attr-defined]
             num_cpus=rollout.cpus_per_worker,
             num_gpus=rollout.gpus_per_worker,
-            runtime_env=_actor_env(rollout.cpus_per_worker, rollout.gpus_per_worker, extra),
+            runtime_env=_actor_env(rollout.cpus_per_worker, rollout.gpus_per_worker),
             max_concurrency=1,
         )
 
@@ -208,10 +204,10 @@ class LearnerRank:
             return tensor_layouts(tensors, bucket_bytes) if self.rank == 0 else None
 
     def open_sync_group(self, host: str, port: int, world_size: int) -> None:
-        if self.sync_group is not None:
-            self.sync_group.close()
         backend, timeout = self.cfg.sync.method, self.cfg.sync.broadcast_timeout_s
-        self.sync_group = SyncGroup.open(backend, host, port, 0, world_size, timeout)
+        self.sync_group = SyncGroup.reopen(
+            self.sync_group, backend, host, port, 0, world_size, timeout
+        )
 
     def broadcast(self, version: int) -> Any:
         """Every rank gathers under ZeRO-3; rank 0 sends, straight from the learner's device."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -31,7 +31,6 @@ class WeightSync:
     pool: Any  # placement.WorkerPool
     _members: tuple[int, ...] | None = None
     _layouts: Any = None
-    _groups_formed: int = field(default=0)
 
     @property
     def broadcasts(self) -> bool:
@@ -71,7 +70,6 @@ class WeightSync:
         ]
         get_all(refs)
         self._members = tuple(s.index for s in members)
-        self._groups_formed += 1
         logger.info(
             "weight broadcast group (%s) at %s:%d: learner rank 0 + %d engine(s)",
             sync.method, host, port, len(members),

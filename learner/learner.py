@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -35,6 +34,7 @@ from staleflow.buffer.records import Group
 from staleflow.learner.batch import TrainBatch, build_batch
 from staleflow.learner.device import role_device
 from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
+from staleflow.learner.sync_group import free_port
 
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
 
@@ -70,9 +70,7 @@ def ensure_distributed(
     if "MASTER_PORT" not in os.environ:
         if world_size > 1:
             raise RuntimeError("MASTER_PORT must be set for more than one learner rank")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port("127.0.0.1"))
     os.environ.setdefault(
         "TORCH_EXTENSIONS_DIR",
         str(os.path.join(os.path.expanduser("~"), ".cache", "staleflow", "torch_extensions")),
@@ -124,10 +122,10 @@ class Learner:
         if model is None:
             from staleflow.actors.models import load_model
 
-            model, tokenizer = load_model(cfg.model, device=self.device)
+            model, tokenizer = load_model(cfg.model)
         if tokenizer is None:
             raise ValueError("a learner given a model needs its tokenizer (for the pad id)")
-        model = model.to(self.device)
+        model = model.to(self.device)  # loaded or injected, the model lives on the learner's
         self.cfg = cfg
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.loss_fn = loss_from_config(cfg.learner.loss)

@@ -276,20 +276,20 @@ def unflatten_tensors(flat: Any, layout: TensorLayout) -> dict[str, Any]:
 
     out, offset = {}, 0
     for name, shape, dtype in layout:
-        torch_dtype = getattr(torch, dtype)
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=torch_dtype).itemsize
-        out[name] = flat[offset : offset + size].view(torch_dtype).reshape(shape)
+        size = _entry_bytes(shape, dtype)
+        out[name] = flat[offset : offset + size].view(getattr(torch, dtype)).reshape(shape)
         offset += size
     return out
 
 
 def layout_bytes(layout: TensorLayout) -> int:
+    return sum(_entry_bytes(shape, dtype) for _, shape, dtype in layout)
+
+
+def _entry_bytes(shape: tuple[int, ...], dtype: str) -> int:
     import torch
 
-    return sum(
-        int(np.prod(s, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, d)).itemsize
-        for _, s, d in layout
-    )
+    return int(np.prod(shape, dtype=np.int64)) * int(getattr(torch, dtype).itemsize)
 
 
 @dataclass(frozen=True)
@@ -316,9 +316,10 @@ def broadcast_send(
     for bucket in buckets:
         flat, _ = flatten_tensors(bucket, group.device)
         group.broadcast(flat)
-    nbytes = sum(int(t.nbytes) for t in tensors.values())
-    stats = PublishStats(version, time.perf_counter() - start, nbytes, len(buckets))
-    return BroadcastWeights(version, stats.log(f"{group.backend} broadcast"))
+    method = f"{group.backend} broadcast"
+    return BroadcastWeights(
+        version, PublishStats.measure(version, start, tensors, len(buckets), method)
+    )
 
 
 def broadcast_receive(group: Any, layouts: list[TensorLayout]) -> Iterator[tuple[str, Any]]:

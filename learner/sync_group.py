@@ -59,6 +59,22 @@ class SyncGroup:
             group = dist.ProcessGroupNCCL(store, rank, world_size, options)
         return cls(backend, rank, world_size, store, group)
 
+    @classmethod
+    def reopen(
+        cls,
+        previous: SyncGroup | None,
+        backend: str,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 300.0,
+    ) -> SyncGroup:
+        """Close `previous` (a member's old group, when the members changed) and open anew."""
+        if previous is not None:
+            previous.close()
+        return cls.open(backend, host, port, rank, world_size, timeout_s)
+
     @property
     def device(self) -> torch.device:
         """Where broadcast tensors must live for this backend."""
