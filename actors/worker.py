@@ -55,6 +55,7 @@ class BatchReport:
     reward_std: float
     parse_failures: int
     pushed: int
+    load_s: float = 0.0  # loading new weights at this batch's boundary
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,9 @@ class RolloutWorker:
     ) -> BatchReport:
         """One rollout batch at `policy_version`: the loaded one, or `weights` (a published
         handle) loaded first, so a failed load fails this batch with its own error."""
+        loading = time.perf_counter()
         self._ensure(weights)
+        load_s = time.perf_counter() - loading
         if policy_version != self.engine.version:
             raise VersionMismatchError(
                 f"{self.worker_id} has policy version {self.engine.version} loaded but was asked "
@@ -223,6 +226,7 @@ class RolloutWorker:
             reward_std=statistics.pstdev(rewards) if rewards else 0.0,
             parse_failures=failures,
             pushed=pushed,
+            load_s=load_s,
         )
 
     def evaluate(

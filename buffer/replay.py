@@ -10,8 +10,9 @@ and `ack`s the receipts once the step is committed. Invariants:
 - Nothing is duplicated: a push is idempotent by group id (a retried push returns the first
   entry's id); an acked group is never delivered again, except through `replay` up to
   `max_reuse` trainings in all.
-- Staleness is enforced here, in one place: a group whose policy version is older than
-  `learner_version - max_staleness` is never returned by `take`; it is dropped and counted.
+- A group the staleness rule (buffer.staleness.trainable) says may not be trained at
+  `learner_version` is never returned by `take`; it is dropped and counted. The driver's
+  async admission applies the same rule beforehand, so in FIFO order nothing reaches it.
 
 Every key lives under `staleflow:<run>:`, so runs can share a server. Each multi-key change is
 one Lua script, so a crash between two commands cannot leave counters and data disagreeing.
@@ -39,6 +40,7 @@ from staleflow.buffer.connection import (
     without_retries,
 )
 from staleflow.buffer.records import Group
+from staleflow.buffer.staleness import trainable
 from staleflow.configs.loader import redact
 
 __all__ = [
@@ -472,18 +474,15 @@ class ReplayBuffer:
             order = sorted(self._pool, key=_id_key)
         return order[:k]
 
-    def _min_version(self, learner_version: int) -> int | None:
-        if self.max_staleness is None:
-            return None
-        return learner_version - self.max_staleness
-
-    def _drop_stale_pooled(self, learner_version: int) -> int:
-        floor = self._min_version(learner_version)
-        if floor is None:
-            return 0
+    def _stale(self, version: int, learner_version: int) -> bool:
         # version -1 marks a malformed entry: leave it to the decoder, which moves it to the
         # invalid stream, rather than miscounting it as stale.
-        stale = [i for i, (v, _) in self._pool.items() if 0 <= v < floor]
+        return version >= 0 and not trainable(version, learner_version, self.max_staleness)
+
+    def _drop_stale_pooled(self, learner_version: int) -> int:
+        if self.max_staleness is None:
+            return 0
+        stale = [i for i, (v, _) in self._pool.items() if self._stale(v, learner_version)]
         for i in stale:
             del self._pool[i]
         return self._drop_entries([(i, False, "") for i in stale], "stale")
@@ -502,14 +501,13 @@ class ReplayBuffer:
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xrange(self.stream_key, entry_id, entry_id)
-        floor = self._min_version(learner_version)
         out, stale = [], []
         for entry_id, rows in zip(ids, pipe.execute(), strict=True):
             if not rows:  # deleted meanwhile; forget it
                 self.client.hdel(self.replay_pending_key, entry_id)
                 continue
             version, fields = _parse_fields(rows[0][1])
-            if floor is not None and 0 <= version < floor:
+            if self._stale(version, learner_version):
                 stale.append((entry_id, True, ""))
             else:
                 out.append((entry_id, version, fields, True))

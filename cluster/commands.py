@@ -46,9 +46,10 @@ def _fail(message: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from staleflow.cluster.driver import Driver, check_schedule
+    from staleflow.cluster.driver import Driver
     from staleflow.cluster.progress import Progress
     from staleflow.cluster.rundir import RunDir
+    from staleflow.cluster.schedule import check_schedule
     from staleflow.configs import ConfigError, load_config
 
     overrides = list(args.overrides)

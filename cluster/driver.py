@@ -1,19 +1,11 @@
-"""The driver: runs the sync schedule between rollout workers, the buffer and the learner.
+"""The driver: steers rollout workers and the learner with small messages only.
 
-One loop, two admission rules (`Driver._tick`):
-
-- lockstep: rollout batches are made one after another, each split over all workers, and batch
-  e starts only once version v(e) = I * max(0, (e - O - 1) // I) is published. The buffer holds
-  batches in order, so learner step t trains on exactly batch t: its lag is lag(t) of
-  algorithms.md section 6 whatever the relative speeds (checked at every step).
-- async: every idle worker starts a batch with the newest published weights, unless the batch
-  would be trained more than `max_staleness` versions later (its groups are trained at version
-  (groups_started + P - 1) // G under FIFO); the learner takes G groups whenever they are there
-  and publishes every I steps. The buffer's staleness bound drops what slips through anyway.
-
-Everything else (weights to workers at batch boundaries, evaluation, checkpoints, scaling,
-shutdown) is the same in both modes. Every pushed group ends up trained, dropped (stale or
-invalid) or left in the buffer at the stop; `summary.json` reconciles the counts.
+It never touches group data (docs/architecture.md, "The data path"): workers push groups to
+the buffer, learner rank 0 takes them itself, trains and acks. The driver says which policy
+version each rollout batch uses (cluster.schedule), when the learner steps and publishes, and
+when to evaluate and checkpoint; it hears back counts and timings. Every pushed group ends up
+trained, dropped (stale or invalid) or left in the buffer at the stop; `summary.json`
+reconciles the driver's counts with the buffer's (cluster.ledger).
 """
 
 from __future__ import annotations
@@ -22,92 +14,23 @@ import itertools
 import logging
 import signal
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from staleflow.cluster.ledger import Counts, Timeline, reconcile
 from staleflow.cluster.rundir import MetricsWriter, write_json
-from staleflow.cluster.schedule import lag, rollout_version
-from staleflow.cluster.trajectories import TrajectoryLog
-from staleflow.configs.loader import ConfigError, dump_config, redact
+from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule, lag
+from staleflow.configs.loader import dump_config, redact
 
 __all__ = ["Driver", "ScheduleError", "check_schedule"]
 
 logger = logging.getLogger(__name__)
 
-
-class ScheduleError(ConfigError):
-    """A config whose schedule cannot run (e.g. a staleness bound the schedule must exceed)."""
-
-
-def check_schedule(cfg: Any) -> None:
-    """Reject schedules that would starve the learner or drop data by construction."""
-    sync, buf, steps = cfg.sync, cfg.buffer, cfg.run.steps
-    per_step = groups_per_step(cfg)
-    if sync.mode == "lockstep":
-        if per_step != cfg.rollout.prompts_per_batch:
-            raise ScheduleError(
-                f"lockstep trains one rollout batch per step: learner.groups_per_step "
-                f"({per_step}) must equal rollout.prompts_per_batch "
-                f"({cfg.rollout.prompts_per_batch}) or be left null"
-            )
-        if buf.sampling != "fifo":
-            raise ScheduleError(
-                f"lockstep needs buffer.sampling: fifo (got {buf.sampling}); the other "
-                "orders would break the exact lag schedule, use sync.mode: async for them"
-            )
-        worst = max(lag(t, sync.interval, sync.offset) for t in range(1, steps + 1))
-        if buf.max_staleness is not None and buf.max_staleness < worst:
-            raise ScheduleError(
-                f"buffer.max_staleness={buf.max_staleness} is below the schedule's largest "
-                f"lag ({worst}, sync.interval={sync.interval}, sync.offset={sync.offset}); "
-                f"raise it to {worst} or set it to null"
-            )
-    else:
-        if sync.offset:
-            raise ScheduleError(
-                f"sync.offset={sync.offset} only applies to sync.mode: lockstep; in async "
-                "mode bound the lag with buffer.max_staleness instead"
-            )
-        least = sync.interval - 1 + (cfg.rollout.prompts_per_batch - 1) // per_step
-        if buf.max_staleness is not None and buf.max_staleness < least:
-            raise ScheduleError(
-                f"buffer.max_staleness={buf.max_staleness} is below {least}, the lag that "
-                f"publishing every {sync.interval} step(s) implies; raise it to at least {least}"
-            )
-    if cfg.rollout.prompts_per_batch > buf.capacity:
-        raise ScheduleError(
-            f"buffer.capacity ({buf.capacity}) must hold one rollout batch "
-            f"({cfg.rollout.prompts_per_batch} groups)"
-        )
-
-
-def groups_per_step(cfg: Any) -> int:
-    return int(cfg.learner.groups_per_step or cfg.rollout.prompts_per_batch)
-
-
-@dataclass
-class Counts:
-    """Groups seen by the driver; reconciled against the buffer's own counters at the end."""
-
-    trained: int = 0
-    dropped_stale: int = 0
-    dropped_invalid: int = 0
-    rollout_batches: int = 0
-    rollout_s: float = 0.0  # summed over workers: generation time
-    learner_s: float = 0.0
-    pushed_by_reports: int = 0
-
-
-@dataclass
-class StepInFlight:
-    refs: list[Any]
-    taken: Any
-    started: float
-    reward_mean: float
-    lag_counts: dict[str, int]  # lag -> groups, for the report's histogram
+# Seconds one learner call may wait for its batch: lock-step calls it only once the batch is
+# complete (so a shortfall is an error); async calls return short and are made again.
+LOCKSTEP_WAIT_S, ASYNC_WAIT_S = 30.0, 2.0
 
 
 @dataclass
@@ -121,20 +44,15 @@ class Driver:
     counts: Counts = field(default_factory=Counts)
 
     def __post_init__(self) -> None:
-        check_schedule(self.cfg)
+        self.schedule = Schedule(self.cfg)
+        self.flow = Flow()
         self.run_id = self.rundir.path.name
-        self.P, self.G = self.cfg.rollout.prompts_per_batch, groups_per_step(self.cfg)
-        self.I, self.O = self.cfg.sync.interval, self.cfg.sync.offset
-        self.step = 0
-        self.published: dict[int, Any] = {}
-        self.latest: Any = None  # the version workers should run in async mode
-        self.batches = 0  # rollout batches dispatched
-        self.batches_done = 0
-        self.groups_started = 0
+        self.P = self.cfg.rollout.prompts_per_batch
+        self.published: dict[int, Any] = {}  # version -> handle workers load
         self.shards: dict[Any, tuple[Any, int]] = {}  # batch ref -> (slot, batch number)
         self.open_shards: dict[int, int] = {}
-        self.learning: StepInFlight | None = None
-        self.staged: list[Any] = []  # Taken pieces gathered for the next async step
+        self.learning: list[Any] | None = None  # refs of the learner call in flight
+        self.timeline = Timeline()
         self.evals: list[tuple[Any, int]] = []
         self.accuracy: dict[int, float] = {}
         self.stop_requested = False
@@ -142,105 +60,108 @@ class Driver:
         self._redis: Any = None
         self._started_ray = False
         self._deferred_workers: int | None = None
-        self.trajectories: TrajectoryLog | None = None
+
+    @property
+    def step(self) -> int:
+        return self.flow.steps
+
+    @property
+    def latest(self) -> Any:
+        return self.published.get(self.flow.latest)
 
     # ------------------------------------------------------------------------ the schedule
 
     def _tick(self) -> None:
-        """Start whatever the schedule allows now: rollout batches, then a learner step."""
-        if self.cfg.sync.mode == "lockstep":
-            e = self.batches + 1
-            ahead_ok = (self.batches - self.step + 1) * self.P <= self.cfg.buffer.capacity
-            v = rollout_version(e, self.I, self.O) if e <= self.cfg.run.steps else None
-            if not self.shards and ahead_ok and v is not None and v in self.published:
-                self._dispatch(self.pool.active, self.published[v], split=True)
-            if self.learning is None and self.batches_done > self.step:
-                self._start_step(timeout_s=30.0)
-            return
-        for slot in self.pool.idle():
-            if not self._admit():
-                break
-            self._dispatch([slot], self.latest, split=False)
-        if self.learning is None:
-            self._start_step(timeout_s=0.0)
+        """Start whatever the schedule allows now: rollout batches, then a learner call."""
+        if self.schedule.lockstep:
+            version = self.schedule.next_batch(self.flow)
+            if version is not None:
+                self._dispatch(self.pool.active, version)
+        else:
+            for slot in self.pool.idle():
+                version = self.schedule.next_batch(self.flow)
+                if version is None:
+                    break
+                self._dispatch([slot], version)
+            if not self.flow.running and self.flow.untrained() < self.schedule.G:
+                raise RuntimeError(
+                    f"async schedule stalled at step {self.step}: no batch may start "
+                    f"(buffer.max_staleness={self.cfg.buffer.max_staleness}) and the buffer "
+                    f"holds {self.flow.untrained()} of the {self.schedule.G} groups a step "
+                    "needs; raise buffer.max_staleness or buffer.capacity"
+                )
+        if self.learning is None and self.schedule.may_step(self.flow):
+            publish = not self.sync.broadcasts and self.schedule.publishes_after(self.step + 1)
+            wait = LOCKSTEP_WAIT_S if self.schedule.lockstep else ASYNC_WAIT_S
+            self.learning = self.learner.train(wait, publish)
 
-    def _admit(self) -> bool:
-        """async: would a new batch stay within max_staleness and the buffer's capacity?"""
-        dropped = self.counts.dropped_stale + self.counts.dropped_invalid
-        if self.groups_started - dropped >= self.cfg.run.steps * self.G:
-            return False  # enough for the remaining steps: no batch would be trained
-        if self.groups_started - self.counts.trained - dropped + self.P > self.cfg.buffer.capacity:
-            return False
-        bound = self.cfg.buffer.max_staleness
-        trained_at = (self.groups_started + self.P - 1) // self.G
-        return bound is None or trained_at - self.latest.version <= bound
-
-    def _dispatch(self, slots: list[Any], weights: Any, split: bool) -> None:
-        self.batches += 1
+    def _dispatch(self, slots: list[Any], version: int) -> None:
+        weights = self.published[version]
+        flow = self.flow
+        flow.batches += 1
         prompts = list(itertools.islice(self.prompts, self.P))
-        parts = np.array_split(np.arange(self.P), len(slots)) if split else [np.arange(self.P)]
+        parts = np.array_split(np.arange(self.P), len(slots))
+        now = time.monotonic()
         for slot, part in zip(slots, parts, strict=False):
             if len(part) == 0:
                 continue
+            self.timeline.gap_s += max(0.0, now - slot.idle_since)
             ref = self.pool.run_batch(slot, weights, [prompts[i] for i in part])
-            self.shards[ref] = (slot, self.batches)
-            self.open_shards[self.batches] = self.open_shards.get(self.batches, 0) + 1
-        self.groups_started += self.P
-
-    def _start_step(self, timeout_s: float) -> None:
-        need = self.G - sum(len(t.groups) for t in self.staged)
-        taken = self.buffer.take(need, learner_version=self.step, timeout_s=timeout_s)
-        self.counts.dropped_stale += taken.dropped_stale
-        self.counts.dropped_invalid += taken.dropped_invalid
-        if taken.groups:
-            self.staged.append(taken)
-        groups = [g for t in self.staged for g in t.groups]
-        if len(groups) < self.G:
-            if self.cfg.sync.mode == "lockstep":
-                raise RuntimeError(
-                    f"lockstep: batch {self.step + 1} was complete but the buffer gave "
-                    f"{len(groups)} of its {self.G} groups; see `staleflow buffer stats`"
-                )
-            return
-        if self.trajectories is not None:
-            self.trajectories.record(self.step + 1, self.step, groups)
-        refs = self.learner.step(groups, self.step)
-        reward = float(np.mean([g.rewards.mean() for g in groups]))
-        lags = Counter(str(self.step - g.policy_version) for g in groups)
-        self.learning = StepInFlight(refs, self.staged, time.time(), reward, dict(lags))
-        self.staged = []
+            self.shards[ref] = (slot, flow.batches)
+            self.open_shards[flow.batches] = self.open_shards.get(flow.batches, 0) + 1
+        flow.running[flow.batches] = (version, self.P)
 
     # ------------------------------------------------------------------------ events
 
-    def _on_step_done(self) -> None:
+    def _on_learner_done(self) -> None:
         import ray
 
         assert self.learning is not None
-        metrics = ray.get(self.learning.refs)[0]
-        receipts = [r for t in self.learning.taken for r in t.receipts]
-        self.buffer.ack(receipts)
-        self.counts.trained += len(receipts)
-        self.counts.learner_s += time.time() - self.learning.started
-        self.step += 1
-        record = dict(
-            metrics, reward_mean=self.learning.reward_mean, lag_counts=self.learning.lag_counts
-        )
+        report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
         self.learning = None
-        if self.cfg.sync.mode == "lockstep":
-            expected = lag(self.step, self.I, self.O)
-            record["lag_expected"] = expected
-            if not metrics["lag_min"] == metrics["lag_max"] == expected:
+        c, flow = self.counts, self.flow
+        c.dropped_stale += report.dropped_stale
+        c.dropped_invalid += report.dropped_invalid
+        flow.dropped += report.dropped_stale + report.dropped_invalid
+        if not report.trained:
+            if self.schedule.lockstep:
                 raise RuntimeError(
-                    f"lockstep step {self.step}: lag {metrics['lag_min']}..{metrics['lag_max']} "
-                    f"but the schedule says {expected}"
+                    f"lockstep: batch {self.step + 1} was complete but the learner took fewer "
+                    f"than its {self.schedule.G} groups in {LOCKSTEP_WAIT_S:g} s; see "
+                    "`staleflow buffer stats`"
                 )
+            return
+        groups = int(report.metrics["groups"])
+        flow.steps += 1
+        flow.trained += groups
+        c.trained += groups
+        c.learner_s += report.timeline["step_s"]
+        if report.version != self.step:
+            raise RuntimeError(
+                f"the learner is at policy version {report.version} after the driver's step "
+                f"{self.step}: one of them counted a step twice"
+            )
+        record = dict(report.metrics, reward_mean=report.reward_mean, lag_counts=report.lag_counts)
+        if self.schedule.lockstep:
+            expected = lag(self.step, self.schedule.I, self.schedule.O)
+            record["lag_expected"] = expected
+            if not report.metrics["lag_min"] == report.metrics["lag_max"] == expected:
+                raise RuntimeError(
+                    f"lockstep step {self.step}: lag {report.metrics['lag_min']}.."
+                    f"{report.metrics['lag_max']} but the schedule says {expected}"
+                )
+        if report.weights is not None:
+            self._published(report.weights)
+        elif self.sync.broadcasts and self.schedule.publishes_after(self.step):
+            self._publish()
         elapsed = max(time.time() - self.started, 1e-9)
         workers = max(len(self.pool.active), 1)
         record.update(
-            learner_busy=self.counts.learner_s / elapsed,
-            rollout_busy=self.counts.rollout_s / (elapsed * workers),
+            learner_busy=c.learner_s / elapsed,
+            rollout_busy=c.rollout_s / (elapsed * workers),
             workers=len(self.pool.active),
             wall_s=elapsed,
+            **self.timeline.close_step(report.timeline),
         )
         self.metrics.write("step", self.step, **record)
         logger.info(
@@ -250,8 +171,6 @@ class Driver:
         )  # fmt: skip
         if self.progress is not None:
             self.progress.step(self.step, record)
-        if self.step % self.I == 0 or self.step == self.cfg.run.steps:
-            self._publish()
         every = self.cfg.run.eval_every
         if every and self.step % every == 0 and self.step < self.cfg.run.steps:
             self._evaluate(self.step)
@@ -268,44 +187,49 @@ class Driver:
         report = ray.get(ref)
         self.counts.rollout_s += report.generate_s
         self.counts.pushed_by_reports += report.pushed
+        self.flow.pushed += report.pushed
+        self.timeline.load_s += report.load_s
         self.open_shards[batch] -= 1
         if self.open_shards[batch] == 0:
             del self.open_shards[batch]
-            self.batches_done += 1
+            del self.flow.running[batch]
+            self.flow.batches_done += 1
             self.counts.rollout_batches += 1
         self.metrics.write(
             "rollout", self.step, worker=slot.index, batch=batch,
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,
             reward_mean=report.reward_mean, tokens_per_s=report.tokens_per_s,
-            generate_s=report.generate_s,
+            generate_s=report.generate_s, load_s=report.load_s,
         )  # fmt: skip
         if slot.retiring:
             self.pool.remove(slot)
 
     def _publish(self) -> None:
+        """Publish the learner's current weights outside a learner call (the first version,
+        broadcast methods, evaluations off the sync schedule)."""
         if self._deferred_workers is not None:  # broadcast: new workers join at a publish
             self._scale(self._deferred_workers)
             self._deferred_workers = None
-        weights = self.sync.publish(self.step)
+        start = time.monotonic()
+        self._published(self.sync.publish(self.step))
+        self.timeline.publish_s += time.monotonic() - start
+
+    def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
-        self.latest = weights  # what async workers and newly added workers load
+        self.flow.latest = max(self.flow.latest, weights.version)
+        self.flow.published = set(self.published)
         # keep what the schedule, a pending eval or the workers may still load
-        keep = {self.latest.version, *(v for _, v in self.evals)}
-        if self.cfg.sync.mode == "lockstep" and self.batches < self.cfg.run.steps:
-            keep.add(rollout_version(self.batches + 1, self.I, self.O))
-        low = min(keep)
-        for v in [v for v in self.published if v < low]:
+        keep = self.schedule.versions_needed(self.flow) | {v for _, v in self.evals}
+        for v in [v for v in self.published if v < min(keep)]:
             del self.published[v]
+        self.flow.published = set(self.published)
 
     def _evaluate(self, step: int) -> None:
         if not self.cfg.task.eval_prompts:
             return
-        weights = self.published.get(step)
-        if weights is None:  # not on the sync schedule: publish for evaluation only
-            weights = self.sync.publish(step)
-            self.published[step] = weights
-            if self.sync.broadcasts:  # every worker holds it now (async only: see resources)
-                self.latest = weights
+        if step not in self.published:  # not on the sync schedule: publish for evaluation
+            self._publish()
+        weights = self.published[step]
         slot = self.pool.active[0]
         self.evals.append((self.pool.evaluate(slot, weights, self.cfg.task.eval_prompts), step))
 
@@ -370,14 +294,14 @@ class Driver:
 
         refs = list(self.shards) + [r for r, _ in self.evals]
         if self.learning is not None:
-            refs.append(self.learning.refs[0])
+            refs.append(self.learning[0])
         timeout = 0.2 if self.cfg.sync.mode == "async" or not refs else 1.0
         done, _ = ray.wait(refs, num_returns=1, timeout=timeout) if refs else ([], [])
         if not refs:
             time.sleep(timeout)
         for ref in done:
-            if self.learning is not None and ref == self.learning.refs[0]:
-                self._on_step_done()
+            if self.learning is not None and ref == self.learning[0]:
+                self._on_learner_done()
             elif ref in self.shards:
                 self._on_batch_done(ref)
             else:
@@ -390,8 +314,8 @@ class Driver:
         import ray
 
         if self.learning is not None:
-            ray.wait(self.learning.refs, num_returns=len(self.learning.refs))
-            self._on_step_done()
+            ray.wait(self.learning, num_returns=len(self.learning))
+            self._on_learner_done()
         for ref, step in self.evals:
             self._on_eval_done(ref, step)
         self.evals = []
@@ -440,8 +364,6 @@ class Driver:
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard)
-        if self.cfg.run.record_trajectories:
-            self.trajectories = TrajectoryLog(self.rundir.trajectories)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
         url = self.cfg.buffer.redis_url
@@ -459,7 +381,11 @@ class Driver:
         start_ray(self.address, self.cfg)
         fit(run_requests(self.cfg), cluster_nodes())  # refuse now rather than wait forever
         publish_dir = self.cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
-        self.learner = LearnerGroup(self.cfg, publish_dir=publish_dir)
+        trajectories = self.rundir.trajectories if self.cfg.run.record_trajectories else None
+        self.learner = LearnerGroup(
+            self.cfg, publish_dir=publish_dir, redis_url=url, run_id=self.run_id,
+            trajectories_dir=str(trajectories) if trajectories else None,
+        )  # fmt: skip
         self.pool = WorkerPool(self.cfg, self.run_id, url)
         for _ in range(self.cfg.rollout.num_workers):
             self.pool.add()
@@ -484,7 +410,12 @@ class Driver:
             if getattr(self, "learner", None) is not None and self.step > 0:
                 self._checkpoint()
             if getattr(self, "buffer", None) is not None:
-                summary.update(self._reconcile())
+                if getattr(self, "learner", None) is not None:
+                    stale, invalid = self.learner.settle()  # no take races the counts
+                    self.counts.dropped_stale += stale
+                    self.counts.dropped_invalid += invalid
+                elapsed = time.time() - self.started
+                summary.update(reconcile(self.buffer.stats(), self.counts, elapsed))
         except Exception:
             logger.exception("could not checkpoint or reconcile the run")
             summary["status"] = status = "failed"
@@ -511,40 +442,6 @@ class Driver:
             )
         return summary
 
-    def _reconcile(self) -> dict[str, Any]:
-        """pushed = trained + dropped (stale, invalid) + left in the buffer, by both counts."""
-        stats = self.buffer.stats()
-        left = stats.undelivered + stats.pending
-        first_trainings = stats.acked - stats.reused
-        c = self.counts
-        return {
-            "groups": {
-                "pushed": stats.pushed,
-                "trained": first_trainings,
-                "trainings": stats.acked,
-                "dropped_stale": stats.dropped_stale,
-                "dropped_invalid": stats.dropped_invalid,
-                "left_in_buffer": left,
-                "duplicates": stats.duplicates,
-                "reconciled": stats.pushed
-                == first_trainings + stats.dropped_stale + stats.dropped_invalid + left
-                and c.trained == stats.acked
-                and c.dropped_stale == stats.dropped_stale
-                and c.dropped_invalid == stats.dropped_invalid,
-            },
-            "driver_counts": {
-                "trained": c.trained,
-                "dropped_stale": c.dropped_stale,
-                "dropped_invalid": c.dropped_invalid,
-                "pushed_by_finished_batches": c.pushed_by_reports,
-            },
-            "pushed_by_version": stats.pushed_by_version,
-            "trained_by_version": stats.trained_by_version,
-            "rollout_batches": c.rollout_batches,
-            "learner_busy": c.learner_s / max(time.time() - self.started, 1e-9),
-            "rollout_busy_s": c.rollout_s,
-        }
-
     def _teardown(self) -> None:
         import ray
 
@@ -553,7 +450,6 @@ class Driver:
             ("learner", lambda: self.learner.kill()),
             ("buffer", lambda: self.buffer.close()),
             ("metrics", lambda: self.metrics.close()),
-            ("trajectories", lambda: self.trajectories and self.trajectories.close()),
             ("ray", lambda: ray.shutdown() if self._started_ray else None),
             ("redis", lambda: self._redis.stop() if self._redis is not None else None),
         ):

@@ -2,7 +2,7 @@
 
 The roles stay plain classes (actors/, learner/); this module is the only place that wraps
 them in `ray.remote` and decides how many CPUs / GPUs each gets. Remote calls go through the
-typed handles returned here (`pool.run_batch(...)`, `learner.step(...)`), never by method-name
+typed handles returned here (`pool.run_batch(...)`, `learner.train(...)`), never by method-name
 strings.
 """
 
@@ -16,17 +16,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.buffer.records import Group
+from staleflow.buffer.replay import ReplayBuffer
+from staleflow.cluster.schedule import groups_per_step
+from staleflow.cluster.trajectories import TrajectoryLog
 from staleflow.learner.device import hidden_gpus_env
+from staleflow.learner.feed import BatchFeed
 from staleflow.learner.learner import Learner
 from staleflow.learner.publish import (
     CheckpointPublisher,
     RayPublisher,
     broadcast_send,
+    host_arrays,
     tensor_layouts,
 )
 from staleflow.learner.sync_group import SyncGroup, free_port, node_address
@@ -154,8 +160,25 @@ class WorkerPool:
 # --------------------------------------------------------------------------- learner ranks
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one `LearnerRank.train` call did: small, it is all the driver gets of a step."""
+
+    trained: bool  # False: fewer than G groups came within the wait (they stay staged)
+    version: int  # the learner's policy version after the call
+    metrics: dict[str, float] = field(default_factory=dict)
+    reward_mean: float = 0.0
+    lag_counts: dict[str, int] = field(default_factory=dict)  # lag -> groups
+    dropped_stale: int = 0  # by the buffer while taking, since the last report
+    dropped_invalid: int = 0
+    timeline: dict[str, float] = field(default_factory=dict)  # take_s, step_s, ack_s, ...
+    weights: Any = None  # the published handle, when asked to publish (ray, checkpoint)
+
+
 class LearnerRank:
-    """One data-parallel rank of the learner (a Ray actor); rank 0 also publishes weights."""
+    """One data-parallel rank of the learner (a Ray actor). Rank 0 takes each batch from the
+    buffer, hands the same groups to the other ranks, acks them after the step and publishes
+    weights; the driver only says when (docs/architecture.md, "The data path")."""
 
     def __init__(
         self,
@@ -164,13 +187,16 @@ class LearnerRank:
         world_size: int,
         master: tuple[str, int],
         publish_dir: str | None = None,
+        redis_url: str | None = None,
+        run_id: str | None = None,
+        trajectories_dir: str | None = None,
     ) -> None:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         self.cfg = cfg
         self.learner = Learner(cfg, rank=rank, world_size=world_size)
-        self.rank = rank
+        self.rank, self.world_size = rank, world_size
         self.sync_group: Any = None
         self.publisher: Any = None
         if cfg.sync.method == "checkpoint":
@@ -179,17 +205,73 @@ class LearnerRank:
             self.publisher = CheckpointPublisher(publish_dir)
         elif cfg.sync.method == "ray":
             self.publisher = RayPublisher(cfg.sync.bucket_mb)
+        self.feed: BatchFeed | None = None
+        self.trajectories: TrajectoryLog | None = None
+        if rank == 0 and redis_url is not None and run_id is not None:
+            buffer = ReplayBuffer.from_config(cfg.buffer, redis_url, run_id)
+            self.feed = BatchFeed(buffer, groups_per_step(cfg))
+            if trajectories_dir is not None:
+                self.trajectories = TrajectoryLog(trajectories_dir)
+        self._step_s = 1.0  # the last step's length: how long a prefetch may wait for data
 
-    def step(self, groups: list[Group], learner_version: int) -> dict[str, float]:
-        return self.learner.step(groups, learner_version)
+    def train(self, wait_s: float, publish: bool) -> StepReport:
+        """One learner step on the next G groups of the buffer, if they come within `wait_s`:
+        take (prefetched while the previous step ran), record, train, ack, then publish if
+        asked. Every rank is called at once; rank 0 returns the report."""
+        version = self.learner.version
+        t0 = time.perf_counter()
+        batch = self.feed.next(version, wait_s) if self.feed is not None else None
+        groups = self._share(batch.groups if batch is not None else None)
+        stale, invalid = self.feed.drops() if self.feed is not None else (0, 0)
+        if groups is None:
+            return StepReport(False, version, dropped_stale=stale, dropped_invalid=invalid)
+        if self.feed is not None:  # read and decode the next batch while this one trains
+            self.feed.prefetch(version + 1, wait_s=self._step_s)
+        if self.trajectories is not None:
+            self.trajectories.record(version + 1, version, groups)
+        t1 = time.perf_counter()
+        metrics = self.learner.step(groups)
+        t2 = time.perf_counter()
+        if self.feed is not None and batch is not None:
+            self.feed.ack(batch)  # the step is committed: these groups are trained
+        t3 = time.perf_counter()
+        weights = self.publish() if publish else None
+        t4 = time.perf_counter()
+        self._step_s = t2 - t1
+        lags: dict[str, int] = {}
+        for g in groups:
+            key = str(version - g.policy_version)
+            lags[key] = lags.get(key, 0) + 1
+        timeline = {
+            "take_s": batch.take_s if batch is not None else t1 - t0,
+            "step_s": t2 - t1,
+            "ack_s": t3 - t2,
+            "publish_s": t4 - t3 if publish else 0.0,
+        }
+        reward = float(np.mean([g.rewards.mean() for g in groups]))
+        return StepReport(
+            True, self.learner.version, metrics, reward, lags, stale, invalid, timeline, weights
+        )
+
+    def _share(self, groups: list[Group] | None) -> list[Group] | None:
+        """Rank 0's groups (or None: not enough yet) on every rank, over the learner's own
+        process group; the groups were validated by rank 0's decoder."""
+        if self.world_size == 1:
+            return groups
+        import torch.distributed as dist
+
+        box = [groups]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def publish(self) -> Any:
         """ray / checkpoint: every rank gathers (ZeRO-3 needs all); rank 0 returns the
-        published handle."""
-        arrays = self.learner.state_dict_for_sync()
-        if self.rank != 0:
-            return None
-        return self.publisher.publish(arrays, self.learner.version)
+        published handle. The arrays are host views of the weights (no copy on a CPU
+        learner): the object store or the file takes the one copy."""
+        with self.learner.gathered_weights() as tensors:
+            if self.rank != 0:
+                return None
+            return self.publisher.publish(host_arrays(tensors), self.learner.version)
 
     # broadcast methods (nccl, gloo): rank 0 sends to the engines in a group of their own
 
@@ -220,6 +302,17 @@ class LearnerRank:
     def save(self, path: str, extra: dict[str, Any]) -> None:
         self.learner.save(path, extra)
 
+    def settle(self) -> tuple[int, int]:
+        """Rank 0: wait for a prefetch in progress; (stale, invalid) it dropped unreported."""
+        return self.feed.settle() if self.feed is not None else (0, 0)
+
+    def close(self) -> None:
+        """Let a prefetch in progress finish and flush the trajectory record."""
+        if self.feed is not None:
+            self.feed.close()
+        if self.trajectories is not None:
+            self.trajectories.close()
+
 
 @dataclass
 class LearnerGroup:
@@ -229,6 +322,9 @@ class LearnerGroup:
     ranks: list[Any] = field(default_factory=list)
 
     publish_dir: str | None = None
+    redis_url: str | None = None
+    run_id: str | None = None
+    trajectories_dir: str | None = None
 
     def __post_init__(self) -> None:
         learner = self.cfg.learner
@@ -243,17 +339,30 @@ class LearnerGroup:
         )
         master = ("127.0.0.1", free_port("127.0.0.1"))
         self.ranks = [
-            actor.remote(self.cfg, rank, learner.num_ranks, master, self.publish_dir)
+            actor.remote(
+                self.cfg,
+                rank,
+                learner.num_ranks,
+                master,
+                self.publish_dir,
+                self.redis_url,
+                self.run_id,
+                self.trajectories_dir,
+            )
             for rank in range(learner.num_ranks)
         ]
 
-    def step(self, groups: list[Group], learner_version: int) -> list[Any]:
-        """Start a step on every rank; returns the metrics refs, rank 0's first."""
-        ref = ray.put(groups)
-        return [r.step.remote(ref, learner_version) for r in self.ranks]
+    def train(self, wait_s: float, publish: bool) -> list[Any]:
+        """Start `LearnerRank.train` on every rank; returns the refs, rank 0's (the report)
+        first."""
+        return [r.train.remote(wait_s, publish) for r in self.ranks]
 
     def publish(self) -> Any:
         return ray.get([r.publish.remote() for r in self.ranks])[0]
+
+    def settle(self) -> tuple[int, int]:
+        """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""
+        return tuple(ray.get(self.ranks[0].settle.remote()))  # type: ignore[return-value]
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         ray.get(self.ranks[0].save.remote(path, extra))
@@ -263,8 +372,11 @@ class LearnerGroup:
         _wait_ready(self.ranks, timeout_s, "learner ranks")
 
     def kill(self) -> None:
-        for r in self.ranks:
-            ray.kill(r)
+        try:
+            ray.get([r.close.remote() for r in self.ranks], timeout=30)
+        finally:
+            for r in self.ranks:
+                ray.kill(r)
 
 
 def learner_threads(num_ranks: int) -> int:

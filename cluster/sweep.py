@@ -95,7 +95,7 @@ class Sweep:
 
 
 def _cell_config(sweep: Sweep, cell: Cell) -> Any:
-    from staleflow.cluster.driver import check_schedule
+    from staleflow.cluster.schedule import check_schedule
     from staleflow.configs import load_config
 
     placement = (f"run.name={cell.name}", f"run.output_dir={sweep.runs}")

@@ -67,7 +67,8 @@ def save_checkpoint(
         trainer = {
             "format": FORMAT,
             "zero_stage": learner.cfg.learner.zero_stage,
-            "steps": learner.steps,
+            "steps": learner.version,  # batches trained: the policy version
+            "optimizer_steps": learner.optimizer_steps,
             "scheduler": learner.scheduler.state_dict(),
             "optimizer": skeleton,
             "rng": {
@@ -151,7 +152,8 @@ def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any
         torch.set_rng_state(rng["torch_cpu"])
     except (KeyError, ValueError, TypeError, RuntimeError, AssertionError) as exc:
         raise CheckpointError(f"{path}: cannot restore the training state: {exc}") from exc
-    learner.steps = int(trainer["steps"])
+    learner.version = int(trainer["steps"])
+    learner.optimizer_steps = int(trainer.get("optimizer_steps", trainer["steps"]))
     extra: dict[str, Any] = trainer.get("extra", {})
     return extra
 

@@ -143,7 +143,11 @@ class Learner:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(cfg)
         )
         self.engine.eval()  # no dropout (see the module docstring)
-        self.steps = 0
+        # The policy version is the number of batches trained (`step` calls): one counter for
+        # the whole system. `mini_batches` and `epochs` act inside a step; the optimizer steps
+        # they take are counted apart (docs/architecture.md, "One version counter").
+        self.version = 0
+        self.optimizer_steps = 0
         self.rank, self.world_size = rank, world_size
         # At ZeRO 0 one rank has nothing to all-reduce, yet DeepSpeed would flatten and copy
         # every gradient after each backward. (ZeRO 1-3 need that pass to fill partitions.)
@@ -160,23 +164,19 @@ class Learner:
     def model(self) -> Any:
         return self.engine.module
 
-    @property
-    def version(self) -> int:
-        """Optimizer steps taken: the policy version of the current weights."""
-        return self.steps
-
     # ------------------------------------------------------------------------- training
 
     def step(self, groups: Sequence[Group], learner_version: int | None = None) -> dict[str, float]:
         """Train on `groups`: `mini_batches` optimizer steps per epoch, `epochs` passes
-        (one step by default). Returns the step's metrics as floats."""
-        version = self.steps if learner_version is None else learner_version
+        (one optimizer step by default); the policy version then goes up by one, whatever
+        the number of optimizer steps. Returns the step's metrics as floats."""
+        version = self.version if learner_version is None else learner_version
         start = time.perf_counter()
         batch = build_batch(
             groups,
             self.cfg.learner.loss.advantage,
             self.pad_id,
-            seed=self.cfg.run.seed + self.steps,
+            seed=self.cfg.run.seed + self.version,
         ).to(self.device)
         sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch means
         extrema: dict[str, float] = {}
@@ -189,6 +189,7 @@ class Learner:
                     loss = _all_reduce_sum(loss, self.device)  # each rank held its shard's share
                 losses.append(loss)
                 grad_norms.append(norm)
+        self.version += 1
         elapsed = time.perf_counter() - start
         tokens = int(batch.response_mask.sum())
         lags = [version - v for v in batch.policy_versions]
@@ -229,7 +230,7 @@ class Learner:
             self.engine.set_gradient_accumulation_boundary(True)
             self.engine.backward(sum(p.sum() * 0.0 for p in self.engine.module.parameters()))
             self.engine.step()
-            self.steps += 1
+            self.optimizer_steps += 1
             return 0.0, float("nan")
         size = self.cfg.learner.micro_batch_size or batch.num_sequences
         parts = _split(batch.num_sequences, math.ceil(batch.num_sequences / size))
@@ -277,7 +278,7 @@ class Learner:
             reported = self.engine.get_global_grad_norm()
             norm = float(reported) if reported is not None else float("nan")
         timing["step_s"] += time.perf_counter() - t2
-        self.steps += 1
+        self.optimizer_steps += 1
         return total, norm
 
     def _loss(self, batch: TrainBatch, denominator: Tensor | None = None) -> tuple[Tensor, Any]:
@@ -336,14 +337,12 @@ class Learner:
             yield {name: t.detach() for name, t in self.engine.module.state_dict().items()}
 
     def state_dict_for_sync(self) -> dict[str, np.ndarray]:
-        """The full weights as numpy arrays (bfloat16 as int16 views), for `load_weights`
-        (every rank must call under ZeRO-3)."""
-        out = {}
+        """The full weights as numpy arrays of their own (bfloat16 as int16 views), for
+        `load_weights` (every rank must call under ZeRO-3)."""
+        from staleflow.learner.publish import host_arrays
+
         with self.gathered_weights() as tensors:
-            for name, tensor in tensors.items():
-                t = tensor.cpu().clone()
-                out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-        return out
+            return host_arrays(tensors, copy=True)
 
 
 def _token_balanced_shard(batch: TrainBatch, rank: int, world_size: int) -> Tensor:
@@ -390,7 +389,9 @@ def _ds_config(cfg: Any) -> dict[str, Any]:
 
 
 def _lr_lambda(cfg: Any) -> Any:
-    opt, total = cfg.learner.optimizer, int(cfg.run.steps)
+    # The schedule counts optimizer steps: `mini_batches` per epoch, `epochs` per batch.
+    opt = cfg.learner.optimizer
+    total = int(cfg.run.steps) * cfg.learner.mini_batches * cfg.learner.epochs
     warmup, floor = int(opt.warmup_steps), float(opt.min_lr_ratio)
 
     def factor(step: int) -> float:

@@ -44,6 +44,7 @@ __all__ = [
     "broadcast_send",
     "bucketize",
     "flatten_tensors",
+    "host_arrays",
     "pack_bucket",
     "read_published",
     "tensor_layouts",
@@ -120,6 +121,19 @@ def bucketize(arrays: Arrays, bucket_bytes: int) -> list[dict[str, np.ndarray]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def host_arrays(tensors: Mapping[str, Any], copy: bool = False) -> dict[str, np.ndarray]:
+    """numpy arrays of `tensors` (bfloat16 as int16 views, numpy has no bfloat16). A CPU
+    tensor gives a view of its memory unless `copy`; a device tensor is copied to the host."""
+    import torch
+
+    out = {}
+    for name, tensor in tensors.items():
+        t = tensor.detach()
+        t = t.clone() if copy and t.device.type == "cpu" else t.cpu()
+        out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return out
 
 
 class RayPublisher:

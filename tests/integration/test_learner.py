@@ -226,7 +226,7 @@ def test_reference_model_kl_penalty_pulls_towards_the_initial_policy():
     assert "kl_ref" not in m_free
 
 
-def test_mini_batches_and_epochs_take_more_optimizer_steps():
+def test_mini_batches_and_epochs_take_more_optimizer_steps_but_one_version():
     groups = sampled_groups(behaviour_seed=1)
 
     def run(extra: str) -> Learner:
@@ -239,7 +239,9 @@ def test_mini_batches_and_epochs_take_more_optimizer_steps():
         return learner
 
     one, minis, epochs = run(""), run(", mini_batches: 2"), run(", epochs: 3")
-    assert (one.version, minis.version, epochs.version) == (1, 2, 3)
+    # one batch trained = one policy version, however many optimizer steps it took
+    assert (one.version, minis.version, epochs.version) == (1, 1, 1)
+    assert (one.optimizer_steps, minis.optimizer_steps, epochs.optimizer_steps) == (1, 2, 3)
     first = next(one.model.parameters())
     assert not torch.equal(first, next(minis.model.parameters()))
     assert not torch.equal(first, next(epochs.model.parameters()))

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.cluster.driver import ScheduleError, check_schedule
 from staleflow.cluster.rundir import read_metrics
-from staleflow.cluster.schedule import lag
+from staleflow.cluster.schedule import ScheduleError, check_schedule, lag, rollout_version
 from staleflow.configs import parse_config
 from tests.integration.tiny import TINY, run_driver, steps_of
 
@@ -68,6 +67,29 @@ def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, inte
     assert {r["worker"] for r in records if r["kind"] == "rollout"} == {0, 1}
 
 
+@pytest.mark.parametrize(("interval", "offset"), [(1, 1), (4, 1)], ids=lambda v: str(v))
+def test_lockstep_lag_formula_holds_with_several_optimizer_steps_per_batch(
+    tmp_path, ray_local, interval, offset
+):
+    # mini_batches x epochs = 4 optimizer steps per batch; the policy version still counts
+    # batches, so every version the schedule asks for is published and the lags are exact.
+    steps = 9
+    _cfg, _run, summary, records = run_driver(
+        tmp_path,
+        "learner.mini_batches=2",
+        "learner.epochs=2",
+        f"sync.interval={interval}",
+        f"sync.offset={offset}",
+        f"run.steps={steps}",
+    )
+    assert summary["status"] == "completed"
+    got = [(r["lag_min"], r["lag_max"]) for r in steps_of(records)]
+    assert got == [(lag(t, interval, offset),) * 2 for t in range(1, steps + 1)]
+    versions = {r["policy_version"] for r in records if r["kind"] == "rollout"}
+    assert versions == {rollout_version(e, interval, offset) for e in range(1, steps + 1)}
+    assert_reconciled(summary)
+
+
 def test_lockstep_rejects_a_staleness_bound_below_the_schedules_lag():
     cfg = parse_config(TINY, ["sync.interval=4", "buffer.max_staleness=2", "run.steps=10"])
     with pytest.raises(ScheduleError, match=r"largest lag \(3"):
@@ -83,8 +105,19 @@ def test_async_rejects_an_offset_and_a_bound_below_the_publish_interval():
         )
 
 
-def test_two_learner_ranks_as_actors_train_in_lockstep(tmp_path, ray_local):
-    # M = 2 data-parallel ranks (gloo between two Ray actors) driven by the same schedule
+def test_two_learner_ranks_train_on_groups_that_never_pass_through_the_driver(
+    tmp_path, ray_local, monkeypatch
+):
+    # M = 2 data-parallel ranks (gloo between two Ray actors): rank 0 takes each batch from
+    # the buffer and hands it to rank 1. The driver (this process) must never decode a group:
+    # its decoders are replaced by ones that fail the run.
+    from staleflow.buffer import codec, replay
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the driver process decoded a group")
+
+    for module, name in ((codec, "decode"), (codec, "decode_fields"), (replay, "decode_fields")):
+        monkeypatch.setattr(module, name, refuse)
     _, run, summary, records = run_driver(
         tmp_path, "learner.num_ranks=2", "sync.offset=1", "run.steps=4"
     )
@@ -95,6 +128,9 @@ def test_two_learner_ranks_as_actors_train_in_lockstep(tmp_path, ray_local):
     assert any(n > 0 for n in norms), norms
     assert_reconciled(summary)
     assert (run.latest_checkpoint() / "model.safetensors").is_file()
+    # rank 0 recorded what each step trained on: 2 groups per step, 4 steps
+    lines = (run.trajectories / "steps.jsonl").read_text().splitlines()
+    assert [len(json.loads(line)["groups"]) for line in lines] == [2] * 4
 
 
 # ----------------------------------------------------------------------------- async
@@ -140,6 +176,26 @@ def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
     assert [(r["lag_min"], r["lag_max"]) for r in steps] == [(0, 0)] + [(1, 1)] * 7
     assert summary["groups"]["dropped_stale"] == 0
     assert summary["groups"]["pushed"] == 8 * 2
+    assert_reconciled(summary)
+
+
+def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path, ray_local):
+    # Three free-running workers whose batches vary in length (responses stop at EOS or at
+    # 12 tokens) finish out of dispatch order; admission counts every running batch in its
+    # worst case, so no group is generated that the staleness rule would then drop.
+    _cfg, _run, summary, records = run_driver(
+        tmp_path,
+        "sync.mode=async",
+        "buffer.max_staleness=2",
+        "rollout.num_workers=3",
+        "rollout.max_new_tokens=12",
+        "run.steps=16",
+    )
+    assert summary["status"] == "completed"
+    finished = [r["batch"] for r in records if r["kind"] == "rollout"]
+    assert finished != sorted(finished), "no batch finished out of order: the test saw nothing"
+    assert summary["groups"]["dropped_stale"] == 0
+    assert all(r["lag_max"] <= 2 for r in steps_of(records))
     assert_reconciled(summary)
 
 

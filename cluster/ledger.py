@@ -1,0 +1,86 @@
+"""What a run did with its groups and its time: the driver's counts, the per-step timeline and
+the reconciliation against the buffer's own counters (`summary.json`, "groups")."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Counts", "Timeline", "reconcile"]
+
+
+@dataclass
+class Counts:
+    """Groups as the driver heard of them (from the learner's and workers' reports)."""
+
+    trained: int = 0
+    dropped_stale: int = 0
+    dropped_invalid: int = 0
+    rollout_batches: int = 0
+    rollout_s: float = 0.0  # summed over workers: generation time
+    learner_s: float = 0.0  # learner calls in flight
+    pushed_by_reports: int = 0
+
+
+@dataclass
+class Timeline:
+    """Where the time between two learner steps went (seconds; metrics.jsonl `time_*`).
+
+    take / step / ack / publish are measured inside the learner call; `load` and `gap` are
+    summed over workers since the previous step (weights loading at batch boundaries, idle
+    workers waiting to be dispatched); `other` is the rest of the interval: the driver's
+    round trips and, when the learner waited, nothing to do."""
+
+    last: float = field(default_factory=time.monotonic)
+    load_s: float = 0.0
+    gap_s: float = 0.0
+    publish_s: float = 0.0  # a broadcast publish, made by the driver after the step
+
+    def close_step(self, learner: dict[str, float]) -> dict[str, float]:
+        now = time.monotonic()
+        interval = now - self.last
+        parts = {k: learner.get(k, 0.0) for k in ("take_s", "step_s", "ack_s", "publish_s")}
+        parts["publish_s"] += self.publish_s
+        out = {f"time_{k}": v for k, v in parts.items()}
+        out.update(
+            time_interval_s=interval,
+            time_other_s=max(0.0, interval - sum(parts.values())),
+            time_load_s=self.load_s,
+            time_gap_s=self.gap_s,
+        )
+        self.last, self.load_s, self.gap_s, self.publish_s = now, 0.0, 0.0, 0.0
+        return out
+
+
+def reconcile(stats: Any, c: Counts, elapsed: float) -> dict[str, Any]:
+    """pushed = trained + dropped (stale, invalid) + left in the buffer, by both counts."""
+    left = stats.undelivered + stats.pending
+    first_trainings = stats.acked - stats.reused
+    return {
+        "groups": {
+            "pushed": stats.pushed,
+            "trained": first_trainings,
+            "trainings": stats.acked,
+            "dropped_stale": stats.dropped_stale,
+            "dropped_invalid": stats.dropped_invalid,
+            "left_in_buffer": left,
+            "duplicates": stats.duplicates,
+            "reconciled": stats.pushed
+            == first_trainings + stats.dropped_stale + stats.dropped_invalid + left
+            and c.trained == stats.acked
+            and c.dropped_stale == stats.dropped_stale
+            and c.dropped_invalid == stats.dropped_invalid,
+        },
+        "driver_counts": {
+            "trained": c.trained,
+            "dropped_stale": c.dropped_stale,
+            "dropped_invalid": c.dropped_invalid,
+            "pushed_by_finished_batches": c.pushed_by_reports,
+        },
+        "pushed_by_version": stats.pushed_by_version,
+        "trained_by_version": stats.trained_by_version,
+        "rollout_batches": c.rollout_batches,
+        "learner_busy": c.learner_s / max(elapsed, 1e-9),
+        "rollout_busy_s": c.rollout_s,
+    }

@@ -1,0 +1,105 @@
+"""The learner's side of the replay buffer: it takes its own batches (the driver never carries
+group data) and acks them once the step that used them is committed.
+
+    feed = BatchFeed(buffer, size=G)
+    batch = feed.next(version, wait_s)   # G groups trainable at `version`, or None if short
+    feed.prefetch(version + 1, wait_s)   # the next batch is read and decoded while this step runs
+    ... train on batch.groups ...
+    feed.ack(batch)                      # after the optimizer step: the groups are trained
+
+Only learner rank 0 has a feed; the other ranks receive the same groups from it
+(docs/architecture.md, "The data path"). Groups taken but not yet acked stay pending in Redis
+under this feed's consumer name, so if the process dies they are reclaimed, never lost. What
+`take` dropped on the way (stale, undecodable) is counted and handed to the driver with the
+next batch.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from staleflow.buffer.records import Group
+from staleflow.buffer.replay import Receipt, ReplayBuffer, Taken
+
+__all__ = ["Batch", "BatchFeed"]
+
+
+@dataclass
+class Batch:
+    """G groups for one learner step, with their receipts."""
+
+    groups: list[Group]
+    receipts: list[Receipt]
+    take_s: float  # what getting them cost the step: waiting for data, decoding not prefetched
+
+
+@dataclass
+class BatchFeed:
+    buffer: ReplayBuffer
+    size: int
+    staged: list[Taken] = field(default_factory=list)
+    dropped_stale: int = 0  # since the last `drops()`
+    dropped_invalid: int = 0
+    _next: Future[float] | None = None
+    _executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="staleflow-prefetch")
+    )
+
+    def _have(self) -> int:
+        return sum(len(t.groups) for t in self.staged)
+
+    def _take(self, version: int, wait_s: float) -> float:
+        """Take what is missing of the next batch (waiting up to `wait_s`); seconds spent."""
+        start = time.perf_counter()
+        need = self.size - self._have()
+        if need > 0:
+            taken = self.buffer.take(need, learner_version=version, timeout_s=wait_s)
+            self.dropped_stale += taken.dropped_stale
+            self.dropped_invalid += taken.dropped_invalid
+            if taken.groups:
+                self.staged.append(taken)
+        return time.perf_counter() - start
+
+    def prefetch(self, version: int, wait_s: float) -> None:
+        """Start taking the batch for `version` in the background (one at a time)."""
+        self._join()
+        self._next = self._executor.submit(self._take, version, wait_s)
+
+    def _join(self) -> float:
+        if self._next is None:
+            return 0.0
+        future, self._next = self._next, None
+        start = time.perf_counter()
+        future.result()  # a failed prefetch raises here, in the step that needed it
+        return time.perf_counter() - start
+
+    def next(self, version: int, wait_s: float) -> Batch | None:
+        """The batch for a step at `version`: G groups, or None if fewer arrived within
+        `wait_s` (they stay staged for the next call)."""
+        spent = self._join() + self._take(version, wait_s)
+        if self._have() < self.size:
+            return None
+        groups = [g for t in self.staged for g in t.groups]
+        receipts = [r for t in self.staged for r in t.receipts]
+        self.staged = []
+        return Batch(groups, receipts, take_s=spent)
+
+    def settle(self) -> tuple[int, int]:
+        """Wait for a prefetch in progress; (stale, invalid) dropped since the last report."""
+        self._join()
+        return self.drops()
+
+    def ack(self, batch: Batch) -> None:
+        self.buffer.ack(batch.receipts)
+
+    def drops(self) -> tuple[int, int]:
+        """(stale, invalid) dropped since the last call."""
+        out = (self.dropped_stale, self.dropped_invalid)
+        self.dropped_stale = self.dropped_invalid = 0
+        return out
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self.buffer.close()
