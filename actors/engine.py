@@ -1,4 +1,4 @@
-"""The rollout engine interface (design.md section 3) and the types it speaks.
+"""The rollout engine interface (docs/architecture.md, "Contracts") and the types it speaks.
 
     engine.generate(prompts, n, sampling) -> completions with token ids and behaviour log-probs
     engine.load_weights(named arrays, version)

@@ -26,19 +26,31 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import redis
 
 from staleflow.buffer import scripts
-from staleflow.buffer.codec import RecordError, decode_fields, encode_fields
+from staleflow.buffer.codec import RecordError, decode_fields
 from staleflow.buffer.connection import (
     BufferConnectionError,
     connect,
     translate_errors,
     without_retries,
 )
+from staleflow.buffer.entries import (
+    GROUP_NAME,
+    BufferFullError,
+    BufferStats,
+    Receipt,
+    Taken,
+    id_key,
+    int_map,
+    now_ms,
+    parse_fields,
+    text,
+)
+from staleflow.buffer.producer import Producer
 from staleflow.buffer.records import Group
 from staleflow.buffer.staleness import trainable
 from staleflow.configs.loader import redact
@@ -54,55 +66,7 @@ __all__ = [
 ]
 
 Sampling = Literal["fifo", "freshest", "replay"]
-GROUP_NAME = "learner"
-Fields = dict[str, bytes | memoryview]
-_RESERVE_TTL_S = 30  # a producer that dies between reserving and adding blocks its ids this long
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-class BufferFullError(TimeoutError):
-    """A push waited `push_timeout_s` on a full buffer."""
-
-
-@dataclass(frozen=True)
-class Receipt:
-    """Proof that a group was handed to the learner; pass it to `ack` after the step."""
-
-    entry_id: str
-    policy_version: int
-    replay: bool = False
-
-
-@dataclass(frozen=True)
-class Taken:
-    """What one `take` returned, plus what it dropped on the way."""
-
-    groups: list[Group]
-    receipts: list[Receipt]
-    dropped_stale: int = 0
-    dropped_invalid: int = 0
-
-
-@dataclass(frozen=True)
-class BufferStats:
-    """A snapshot of one run's buffer (see `ReplayBuffer.stats`)."""
-
-    run: str
-    capacity: int
-    length: int  # entries stored: undelivered + pending + kept for replay
-    undelivered: int  # never handed to a consumer
-    pending: int  # handed out, not yet acked (includes replays in flight)
-    replayable: int  # acked, may be trained on again
-    pushed: int
-    duplicates: int  # pushes refused as already present
-    acked: int  # trainings acknowledged (a replayed group counts each time)
-    reused: int  # acks beyond a group's first
-    dropped_stale: int
-    dropped_invalid: int
-    bytes_pushed: int
-    stream_bytes: int  # Redis' estimate of the stream's memory
-    pushed_by_version: dict[int, int] = field(default_factory=dict)
-    trained_by_version: dict[int, int] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- the buffer
@@ -181,7 +145,16 @@ class ReplayBuffer:
             self.replay_pending_key,
         ]
 
-        self._reserve = self.client.register_script(scripts.RESERVE)
+        self._producer = Producer(
+            self.client,
+            self._tx_client,
+            run,
+            prefix,
+            capacity=capacity,
+            push_timeout_s=push_timeout_s,
+            dedup_ttl_s=dedup_ttl_s,
+            url_for_display=self.url_for_display,
+        )
         self._ack = self.client.register_script(scripts.ACK)
         self._drop = self.client.register_script(scripts.DROP)
         self._replay_take = self.client.register_script(scripts.REPLAY_TAKE)
@@ -211,79 +184,12 @@ class ReplayBuffer:
 
     def push(self, group: Group) -> bool:
         """Append one group; True if added, False if this group id was already pushed.
+        Blocks while the buffer is full, then raises BufferFullError (see `push_many`)."""
+        return self._producer.push_many([group])[0]
 
-        Blocks while the buffer is full, then raises BufferFullError. See `push_many`.
-        """
-        return self.push_many([group])[0]
-
-    @translate_errors
     def push_many(self, groups: Sequence[Group]) -> list[bool]:
-        """Append groups in two round trips; per group, True if added, False if a duplicate.
-
-        Idempotent by group id: retrying a push, even after a lost reply, adds nothing twice.
-        Blocks while the groups do not fit under `capacity`, then raises BufferFullError.
-        Capacity is checked at reservation, so concurrent producers can overshoot it by the
-        batches they have in flight; it is never enforced by trimming.
-        """
-        if not groups:
-            return []
-        if len(groups) > self.capacity:
-            raise ValueError(
-                f"cannot push {len(groups)} groups into a buffer of capacity {self.capacity}"
-            )
-        entries = [encode_fields(g) for g in groups]
-        dedup_keys = [self.prefix + "gid:" + g.group_id for g in groups]
-        token = "r:" + uuid.uuid4().hex
-        deadline = time.monotonic() + self.push_timeout_s
-        delay = 0.005
-        while True:
-            status = [int(x) for x in self._reserve(
-                keys=[self.stream_key, self.stats_key, *dedup_keys],
-                args=[self.capacity, _RESERVE_TTL_S, token],
-            )]  # fmt: skip
-            if status[0] >= 0:
-                new = [i for i, st in enumerate(status) if st == 0]
-                if not new or self._add_reserved(groups, entries, dedup_keys, new):
-                    return [st == 0 for st in status]
-                continue  # the transaction's reply was lost: the markers tell what happened
-            if time.monotonic() >= deadline:
-                if status[0] == -1:
-                    raise BufferFullError(
-                        f"another push of the same group id has been in flight for "
-                        f"{self.push_timeout_s:g} s; nothing was pushed"
-                    )
-                raise BufferFullError(
-                    f"replay buffer of run {self.run!r} has been full ({self.capacity} groups) "
-                    f"for {self.push_timeout_s:g} s: the learner is not consuming (stopped or "
-                    "too slow). Raise buffer.capacity or buffer.push_timeout_s, or add learner "
-                    "throughput; nothing was pushed"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
-
-    def _add_reserved(
-        self, groups: Sequence[Group], entries: list[Fields], keys: list[str], new: list[int]
-    ) -> bool:
-        """XADD the reserved groups and mark them added, atomically. False if the connection
-        dropped before the reply: the caller re-reserves, and the markers say whether the
-        transaction ran ("added": duplicate from now on) or not (our token: add again)."""
-        pipe = self._tx_client.pipeline(transaction=True)
-        versions: dict[int, int] = {}
-        for i in new:
-            g = groups[i]
-            entry: dict[Any, Any] = {**entries[i], "v": g.policy_version, "gid": g.group_id}
-            pipe.xadd(self.stream_key, entry)
-            pipe.set(keys[i], "added", ex=self.dedup_ttl_s)
-            versions[g.policy_version] = versions.get(g.policy_version, 0) + 1
-        pipe.hincrby(self.stats_key, "pushed", len(new))
-        pipe.hincrby(self.stats_key, "bytes_pushed", sum(_nbytes(entries[i]) for i in new))
-        for version, count in versions.items():
-            pipe.hincrby(self.pushed_by_version_key, str(version), count)
-        try:
-            pipe.execute()
-        except (redis.ConnectionError, redis.TimeoutError):
-            return False
-        return True
+        """See staleflow.buffer.producer.Producer.push_many."""
+        return self._producer.push_many(groups)
 
     # ------------------------------------------------------------------------- learner
 
@@ -358,14 +264,14 @@ class ReplayBuffer:
         group_pending = 0
         try:
             for info in self.client.xinfo_groups(self.stream_key):
-                if _text(info["name"]) == GROUP_NAME:
+                if text(info["name"]) == GROUP_NAME:
                     group_pending = int(info["pending"])
         except redis.ResponseError:  # no stream yet
             pass
         # Every stored entry is exactly one of: undelivered, pending in the consumer group,
         # replayable, or a replay in flight; so undelivered is the remainder.
         undelivered = int(length) - group_pending - int(replayable) - int(replay_pending)
-        c = {_text(k): int(v) for k, v in counters.items()}
+        c = {text(k): int(v) for k, v in counters.items()}
         return BufferStats(
             run=self.run,
             capacity=self.capacity,
@@ -381,8 +287,8 @@ class ReplayBuffer:
             dropped_invalid=c.get("dropped_invalid", 0),
             bytes_pushed=c.get("bytes_pushed", 0),
             stream_bytes=int(mem or 0),
-            pushed_by_version=_int_map(pushed_v),
-            trained_by_version=_int_map(trained_v),
+            pushed_by_version=int_map(pushed_v),
+            trained_by_version=int_map(trained_v),
         )
 
     @translate_errors
@@ -429,13 +335,13 @@ class ReplayBuffer:
             )
             for entry_id, fields in claimed:
                 if fields:  # deleted entries come back empty
-                    self._pool.setdefault(_text(entry_id), _parse_fields(fields))
-            if _text(start) == "0-0":
+                    self._pool.setdefault(text(entry_id), parse_fields(fields))
+            if text(start) == "0-0":
                 break
         if self.sampling == "replay":
             self._replay_reclaim(
                 keys=[self.replay_key, self.replay_pending_key, self.uses_key],
-                args=[_now_ms(), idle_ms],
+                args=[now_ms(), idle_ms],
             )
 
     def _refill(self, need: int, deadline: float) -> int:
@@ -461,7 +367,7 @@ class ReplayBuffer:
         count = 0
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
-                self._pool[_text(entry_id)] = _parse_fields(fields)
+                self._pool[text(entry_id)] = parse_fields(fields)
                 count += 1
         return count
 
@@ -469,9 +375,9 @@ class ReplayBuffer:
         if k <= 0 or not self._pool:
             return []
         if self.sampling == "freshest":
-            order = sorted(self._pool, key=lambda i: (self._pool[i][0], _id_key(i)), reverse=True)
+            order = sorted(self._pool, key=lambda i: (self._pool[i][0], id_key(i)), reverse=True)
         else:
-            order = sorted(self._pool, key=_id_key)
+            order = sorted(self._pool, key=id_key)
         return order[:k]
 
     def _stale(self, version: int, learner_version: int) -> bool:
@@ -491,9 +397,9 @@ class ReplayBuffer:
         self, k: int, learner_version: int
     ) -> tuple[list[tuple[str, int, dict[bytes, bytes], bool]], int]:
         ids = [
-            _text(i)
+            text(i)
             for i in self._replay_take(
-                keys=[self.replay_key, self.replay_pending_key], args=[k, _now_ms()]
+                keys=[self.replay_key, self.replay_pending_key], args=[k, now_ms()]
             )
         ]
         if not ids:
@@ -506,7 +412,7 @@ class ReplayBuffer:
             if not rows:  # deleted meanwhile; forget it
                 self.client.hdel(self.replay_pending_key, entry_id)
                 continue
-            version, fields = _parse_fields(rows[0][1])
+            version, fields = parse_fields(rows[0][1])
             if self._stale(version, learner_version):
                 stale.append((entry_id, True, ""))
             else:
@@ -520,34 +426,3 @@ class ReplayBuffer:
         for entry_id, replay, error in entries:
             args += [entry_id, "1" if replay else "0", error]
         return int(self._drop(keys=[*self._entry_keys, self.invalid_key], args=args))
-
-
-def _parse_fields(fields: dict[bytes, bytes]) -> tuple[int, dict[bytes, bytes]]:
-    """(policy version, fields) of a stream entry; a malformed version becomes -1, and the
-    decoder then rejects the entry (it is moved to the invalid stream, not counted stale)."""
-    try:
-        version = int(fields.get(b"v", b"-1"))
-    except ValueError:
-        version = -1
-    return version, fields
-
-
-def _nbytes(fields: Fields) -> int:
-    return sum(len(v) if isinstance(v, bytes) else v.nbytes for v in fields.values())
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _int_map(raw: dict[Any, Any]) -> dict[int, int]:
-    return dict(sorted((int(k), int(v)) for k, v in raw.items()))
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

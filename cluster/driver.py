@@ -22,15 +22,16 @@ import numpy as np
 from staleflow.cluster.ledger import Counts, Timeline, reconcile
 from staleflow.cluster.rundir import MetricsWriter, write_json
 from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule, lag
+from staleflow.cluster.services import Services
 from staleflow.configs.loader import dump_config, redact
 
 __all__ = ["Driver", "ScheduleError", "check_schedule"]
 
 logger = logging.getLogger(__name__)
 
-# Seconds one learner call may wait for its batch: lock-step calls it only once the batch is
-# complete (so a shortfall is an error); async calls return short and are made again.
-LOCKSTEP_WAIT_S, ASYNC_WAIT_S = 30.0, 2.0
+# Seconds one learner call waits for its batch before it returns short and is made again.
+# A lock-step call made after its batch was complete that comes back short is an error.
+LEARNER_WAIT_S, COMPLETE_BATCH_WAIT_S = 2.0, 30.0
 
 
 @dataclass
@@ -52,14 +53,21 @@ class Driver:
         self.shards: dict[Any, tuple[Any, int]] = {}  # batch ref -> (slot, batch number)
         self.open_shards: dict[int, int] = {}
         self.learning: list[Any] | None = None  # refs of the learner call in flight
+        self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
         self.timeline = Timeline()
         self.evals: list[tuple[Any, int]] = []
         self.accuracy: dict[int, float] = {}
         self.stop_requested = False
         self.started = time.time()
-        self._redis: Any = None
-        self._started_ray = False
+        self.services = Services(self.cfg, self.rundir, self.address)
+        self.metrics: Any = None  # MetricsWriter, once started
         self._deferred_workers: int | None = None
+
+    # the run's parts (cluster.services); None until started
+    buffer = property(lambda self: self.services.buffer)
+    learner = property(lambda self: self.services.learner)
+    pool = property(lambda self: self.services.pool)
+    sync = property(lambda self: self.services.sync)
 
     @property
     def step(self) -> int:
@@ -92,7 +100,8 @@ class Driver:
                 )
         if self.learning is None and self.schedule.may_step(self.flow):
             publish = not self.sync.broadcasts and self.schedule.publishes_after(self.step + 1)
-            wait = LOCKSTEP_WAIT_S if self.schedule.lockstep else ASYNC_WAIT_S
+            self.batch_was_complete = self.flow.batches_done > self.step
+            wait = COMPLETE_BATCH_WAIT_S if self.batch_was_complete else LEARNER_WAIT_S
             self.learning = self.learner.train(wait, publish)
 
     def _dispatch(self, slots: list[Any], version: int) -> None:
@@ -124,10 +133,10 @@ class Driver:
         c.dropped_invalid += report.dropped_invalid
         flow.dropped += report.dropped_stale + report.dropped_invalid
         if not report.trained:
-            if self.schedule.lockstep:
+            if self.schedule.lockstep and self.batch_was_complete:
                 raise RuntimeError(
                     f"lockstep: batch {self.step + 1} was complete but the learner took fewer "
-                    f"than its {self.schedule.G} groups in {LOCKSTEP_WAIT_S:g} s; see "
+                    f"than its {self.schedule.G} groups in {COMPLETE_BATCH_WAIT_S:g} s; see "
                     "`staleflow buffer stats`"
                 )
             return
@@ -352,11 +361,7 @@ class Driver:
     def _start(self) -> None:
         from staleflow.actors.models import prepare_model
         from staleflow.actors.tasks import make_task
-        from staleflow.buffer.replay import ReplayBuffer
-        from staleflow.buffer.server import RedisServer, redis_dir
-        from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
-        from staleflow.cluster.resources import check_sync_method, cluster_nodes, fit, run_requests
-        from staleflow.cluster.weights import WeightSync
+        from staleflow.cluster.resources import check_sync_method
 
         check_sync_method(self.cfg)
         self.rundir.config.write_text(redact(dump_config(self.cfg)) + "\n")
@@ -366,36 +371,7 @@ class Driver:
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
-        url = self.cfg.buffer.redis_url
-        if url is None:
-            self._redis = RedisServer(
-                redis_dir(self.rundir.path), persistence=self.cfg.buffer.persistence
-            ).start()
-            url = self._redis.url
-        self.buffer = ReplayBuffer.from_config(self.cfg.buffer, url, self.run_id)
-        logger.info("buffer: %s", redact(url))
-        self.buffer.clear()  # a run name reused on a shared server starts from an empty buffer
-        import ray
-
-        self._started_ray = not ray.is_initialized() and not self.address
-        start_ray(self.address, self.cfg)
-        fit(run_requests(self.cfg), cluster_nodes())  # refuse now rather than wait forever
-        publish_dir = self.cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
-        trajectories = self.rundir.trajectories if self.cfg.run.record_trajectories else None
-        self.learner = LearnerGroup(
-            self.cfg, publish_dir=publish_dir, redis_url=url, run_id=self.run_id,
-            trajectories_dir=str(trajectories) if trajectories else None,
-        )  # fmt: skip
-        self.pool = WorkerPool(self.cfg, self.run_id, url)
-        for _ in range(self.cfg.rollout.num_workers):
-            self.pool.add()
-        self.sync = WeightSync(self.cfg, self.learner, self.pool)
-        self.learner.ready(self.cfg.run.start_timeout_s)
-        self.pool.ready(self.cfg.run.start_timeout_s)
-        logger.info(
-            "ray: %d rollout worker(s), %d learner rank(s)",
-            len(self.pool.slots), self.cfg.learner.num_ranks,
-        )  # fmt: skip
+        self.services.start()
         self._publish()
         self._evaluate(0)
         self.started = time.time()  # busy fractions and wall time count from here
@@ -443,22 +419,9 @@ class Driver:
         return summary
 
     def _teardown(self) -> None:
-        import ray
-
-        for what, stop in (
-            ("workers", lambda: [self.pool.remove(s) for s in list(self.pool.slots)]),
-            ("learner", lambda: self.learner.kill()),
-            ("buffer", lambda: self.buffer.close()),
-            ("metrics", lambda: self.metrics.close()),
-            ("ray", lambda: ray.shutdown() if self._started_ray else None),
-            ("redis", lambda: self._redis.stop() if self._redis is not None else None),
-        ):
-            try:
-                stop()
-            except AttributeError:  # never started
-                pass
-            except Exception:
-                logger.exception("could not stop the %s", what)
+        self.services.stop()
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()
 
     def _write_status(self, state: str) -> None:
         pool = getattr(self, "pool", None)

@@ -23,6 +23,17 @@ PLOTS = (
     ("clip_kl", "Clip fraction and KL(behaviour || policy)"),
     ("throughput", "Throughput"),
     ("busy", "Busy fractions"),
+    ("timeline", "Where each step's time went"),
+)
+
+
+# The step timeline's parts (metrics.jsonl `time_<key>_s`, cluster.ledger.Timeline), stacked.
+TIMELINE = (
+    ("take", "take (waiting for rollout data, decoding)"),
+    ("step", "learner step"),
+    ("ack", "ack"),
+    ("publish", "publish"),
+    ("other", "other (driver round trips, learner not called yet)"),
 )
 
 
@@ -104,6 +115,20 @@ def write_report(run: RunDir) -> Path:
     ax.set_xlabel("learner step")
     ax.legend()
     _save(fig, run.plots / "busy.png")
+
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    bottom = [0.0] * len(steps)
+    x = [r["step"] for r in steps]
+    for key, label in TIMELINE:
+        y = [float(r.get(f"time_{key}_s", 0.0)) for r in steps]
+        if any(y):
+            ax.bar(x, y, bottom=bottom, label=label, width=0.9)
+            bottom = [b + v for b, v in zip(bottom, y, strict=True)]
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("seconds since the previous step")
+    if ax.patches:
+        ax.legend(fontsize="small")
+    _save(fig, run.plots / "timeline.png")
 
     summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
     config = run.config.read_text() if run.config.is_file() else "{}"

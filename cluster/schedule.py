@@ -114,8 +114,9 @@ class Schedule:
         return trainable(oldest, trained_at, self.cfg.buffer.max_staleness)
 
     def may_step(self, flow: Flow) -> bool:
-        """Lock-step trains batch t once it is complete; async steps whenever G groups come."""
-        return flow.batches_done > flow.steps if self.lockstep else True
+        """Whether to call the learner now: lock-step once batch t (its data) has started, so
+        the learner takes the groups the moment they land; async whenever it is idle."""
+        return flow.batches > flow.steps if self.lockstep else True
 
     def publishes_after(self, step: int) -> bool:
         return step % self.I == 0 or step == self.cfg.run.steps

@@ -1,4 +1,4 @@
-"""Publishing weights to the rollout workers, per `sync.method` (design.md section 5).
+"""Publishing weights to the rollout workers, per `sync.method` (docs/architecture.md, "Contracts").
 
 - `ray`: learner rank 0 puts buckets of numpy arrays in the object store; each worker fetches
   them at its next batch boundary (inside the call that needs them).

@@ -303,7 +303,7 @@ class LearnerConfig(Frozen):
 
 
 class SyncConfig(Frozen):
-    """When and how the learner's weights reach the rollout workers (algorithms.md section 6)."""
+    """When and how the learner's weights reach the rollout workers (docs/algorithms.md section 6)."""
 
     mode: Literal["lockstep", "async"] = Field(
         "lockstep", description="lockstep: exact lag schedule; async: free-running workers."

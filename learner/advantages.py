@@ -16,7 +16,7 @@ from torch import Tensor
 __all__ = ["STD_EPS", "balance_keep_mask", "group_advantages"]
 
 STD_EPS = 1e-6
-"""Added to the group std before dividing (algorithms.md section 3)."""
+"""Added to the group std before dividing (docs/algorithms.md section 3)."""
 
 
 def group_advantages(

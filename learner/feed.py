@@ -20,8 +20,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from staleflow.buffer.entries import Receipt, Taken
 from staleflow.buffer.records import Group
-from staleflow.buffer.replay import Receipt, ReplayBuffer, Taken
+from staleflow.buffer.replay import ReplayBuffer
 
 __all__ = ["Batch", "BatchFeed"]
 

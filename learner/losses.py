@@ -43,7 +43,7 @@ ClipMode = Literal["none", "one-side", "two-side", "ring"]
 WeightMode = Literal["none", "importance_sampling", "advantage"]
 RegMode = Literal["none", "k2", "forward-kl"]
 
-# The REC presets as (clip mask M, weight W, regulariser R); algorithms.md section 5.
+# The REC presets as (clip mask M, weight W, regulariser R); docs/algorithms.md section 5.
 REC_PRESETS: dict[str, tuple[ClipMode, WeightMode, RegMode]] = {
     "reinforce": ("none", "none", "none"),
     "grpo": ("one-side", "importance_sampling", "none"),
@@ -148,7 +148,7 @@ class Loss:
 
 
 def get_loss(name: str, **params: Any) -> Loss:
-    """The preset `name` with `params` overriding its defaults (algorithms.md section 5).
+    """The preset `name` with `params` overriding its defaults (docs/algorithms.md section 5).
 
     Raises ValueError naming the valid presets, or the valid parameters of this preset.
     Advantage settings are not loss parameters: pass them to `group_advantages`.
@@ -251,7 +251,7 @@ def _rec_term(x: _Tokens, cfg: Any, clip: ClipMode, weight: WeightMode, reg: Reg
 
 
 def _clip_mask(mode: ClipMode, a: Tensor, rho: Tensor, cfg: Any) -> Tensor:
-    """M as a bool tensor (algorithms.md section 4's table)."""
+    """M as a bool tensor (docs/algorithms.md section 4's table)."""
     if mode == "none":
         return torch.ones_like(rho, dtype=torch.bool)
     low, high = 1.0 - float(cfg.epsilon_low), 1.0 + float(cfg.epsilon_high)

@@ -29,3 +29,21 @@ def test_top_level_layout():
     for name in ("pyproject.toml", "README.md", "actors", "buffer", "learner", "cluster",
                  "configs", "tests"):  # fmt: skip
         assert (REPO / name).exists(), name
+
+
+def test_every_cited_doc_ships_with_the_repository():
+    # Code, configs and docs cite docs/algorithms.md and docs/architecture.md by name; a
+    # citation of a file outside the repository could not be followed by anyone who clones it.
+    cited: set[str] = set()
+    for path in REPO.rglob("*"):
+        parts = path.relative_to(REPO).parts
+        if path.suffix not in {".py", ".md", ".yaml", ".toml"} or any(
+            p.startswith(".") or p in {"build", "runs"} or p.endswith(".egg-info") for p in parts
+        ):
+            continue
+        text = path.read_text(errors="replace")
+        assert "../" + "shared" not in text, f"{path} points outside the repository"
+        cited.update(re.findall(r"\bdocs/[\w/.-]+\.md\b", text))
+    assert {"docs/algorithms.md", "docs/architecture.md"} <= cited
+    for doc in cited:
+        assert (REPO / doc).is_file(), f"{doc} is cited but missing"

@@ -309,8 +309,14 @@ def test_tiny_config_learns_and_leaves_a_complete_run_directory(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed"
     assert_reconciled(summary)
+    # every step's timeline: its parts are measured and add up to at most its interval
+    for r in steps:
+        parts = [r[f"time_{k}_s"] for k in ("take", "step", "ack", "publish")]
+        assert all(p >= 0 for p in parts)
+        assert r["time_step_s"] > 0
+        assert sum(parts) <= r["time_interval_s"] + 1e-6
     html = (run / "report.html").read_text()
-    for name in ("reward", "accuracy", "lag", "clip_kl", "throughput", "busy"):
+    for name in ("reward", "accuracy", "lag", "clip_kl", "throughput", "busy", "timeline"):
         png = run / "plots" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"plots/{name}.png" in html

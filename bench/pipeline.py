@@ -1,0 +1,143 @@
+"""The whole pipeline, lock-step against async, in one run: real Ray, Redis, learner, workers.
+
+    python bench/pipeline.py [--model tiny|smollm2] [--steps 30] [--workers 2] [--engine hf]
+
+Both runs use the same settings except the schedule: lockstep on-policy (sync.interval 1,
+offset 0) and async with buffer.max_staleness 1. From each run's metrics.jsonl, over the
+steps after the first (start-up excluded), it prints medians of:
+  interval   between two learner steps, as the driver sees them finish;
+  learner    the learner's step itself (forward, backward, optimizer);
+  rollout    one rollout batch (the slowest shard of a split lock-step batch; generation plus
+             weight loading);
+  overhead   interval / max(learner, rollout): 1.0 means nothing but the slower side counts;
+and the busy fractions, trained groups per second, and async / lockstep throughput. The step
+timeline (take, ack, publish, load, other) shows where any overhead went. Targets
+(issue [Dataflow]): overhead <= 1.1 in async on a GPU; async >= 1.8x lockstep on-policy
+throughput where learner and rollout can overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from typing import Any
+
+from staleflow.cluster.driver import Driver
+from staleflow.cluster.placement import start_ray
+from staleflow.cluster.rundir import RunDir, read_metrics
+from staleflow.configs import parse_config
+
+MODELS = {
+    "tiny": """
+model: {preset: tiny}
+task: {name: digits, chat_template: false, eval_prompts: 0}
+rollout: {prompts_per_batch: 4, group_size: 8, max_new_tokens: 8}
+learner: {optimizer: {lr: 1.0e-3}, loss: {name: rec-oneside-nois}}
+run: {tensorboard: false, eval_every: 0, record_trajectories: false}
+""",
+    "smollm2": """
+model: {preset: smollm2-135m}
+task: {name: arithmetic, difficulty: 1, operations: ["+"], eval_prompts: 0}
+rollout: {prompts_per_batch: 8, group_size: 8, max_new_tokens: 32}
+learner: {micro_batch_size: 32, optimizer: {lr: 5.0e-5}, loss: {name: rec-oneside-nois}}
+run: {tensorboard: false, eval_every: 0, record_trajectories: false}
+""",
+}
+
+SCHEDULES = {
+    "lockstep": ["sync.mode=lockstep", "sync.interval=1", "sync.offset=0"],
+    "async": ["sync.mode=async", "sync.interval=1", "buffer.max_staleness=1"],
+}
+
+
+def run_once(text: str, overrides: list[str], directory: str) -> dict[str, Any]:
+    cfg = parse_config(text, [f"run.output_dir={directory}", *overrides])
+    run = RunDir.create(directory, cfg.run.name or "bench")
+    summary = Driver(cfg, run).run()
+    if summary["status"] != "completed":
+        raise RuntimeError(f"the {overrides[0]} run ended {summary['status']}: see {run.path}")
+    records = list(read_metrics(run.metrics))
+    steps = [r for r in records if r["kind"] == "step"][1:]  # the first step includes start-up
+    shards: dict[int, float] = defaultdict(float)
+    for r in records:
+        if r["kind"] == "rollout":  # a lock-step batch is done when its slowest shard is
+            shards[r["batch"]] = max(shards[r["batch"]], r["generate_s"] + r.get("load_s", 0.0))
+    med = {
+        key: statistics.median(r[f"time_{key}_s"] for r in steps)
+        for key in ("interval", "take", "step", "ack", "publish", "load", "other")
+    }
+    rollout = statistics.median(shards.values())
+    span = steps[-1]["wall_s"] - steps[0]["wall_s"]
+    groups = sum(r["groups"] for r in steps[1:])
+    return {
+        "interval": med["interval"],
+        "learner": med["step"],
+        "rollout": rollout,
+        "overhead": med["interval"] / max(med["step"], rollout),
+        "learner_busy": steps[-1]["learner_busy"],
+        "rollout_busy": steps[-1]["rollout_busy"],
+        "groups_per_s": groups / span if span > 0 else float("nan"),
+        "timeline": med,
+        "lag_max": max(r["lag_max"] for r in steps),
+        "dropped_stale": summary["groups"]["dropped_stale"],
+        "reconciled": summary["groups"]["reconciled"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
+    p.add_argument("--gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--gpus-per-rank", type=float, default=0.0)
+    args = p.parse_args()
+    common = [
+        f"run.steps={args.steps}",
+        f"rollout.num_workers={args.workers}",
+        f"rollout.engine={args.engine}",
+        f"rollout.gpus_per_worker={args.gpus_per_worker}",
+        f"learner.gpus_per_rank={args.gpus_per_rank}",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = parse_config(MODELS[args.model], common)
+        start_ray(None, probe, log_to_driver=False)  # one Ray for both runs
+        results = {
+            name: run_once(MODELS[args.model], [*schedule, *common, f"run.name={name}"], tmp)
+            for name, schedule in SCHEDULES.items()
+        }
+    print(
+        f"[{args.model}, {args.engine} engine, {args.workers} worker(s), {args.steps} steps; "
+        "medians over steps 2..N, seconds]"
+    )
+    head = ("interval", "learner", "rollout", "overhead", "L busy", "R busy", "groups/s")
+    print(f"{'':10s}" + "".join(f"{h:>10s}" for h in (*head, "max lag", "stale")))
+    for name, r in results.items():
+        print(
+            f"{name:10s}{r['interval']:10.3f}{r['learner']:10.3f}{r['rollout']:10.3f}"
+            f"{r['overhead']:9.2f}x{r['learner_busy']:10.0%}{r['rollout_busy']:10.0%}"
+            f"{r['groups_per_s']:10.2f}{r['lag_max']:10.0f}{r['dropped_stale']:10d}"
+        )
+    print("step timeline (medians, s):")
+    for name, r in results.items():
+        print(f"  {name:9s} " + "  ".join(f"{k} {v:.3f}" for k, v in r["timeline"].items()))
+    lock = results["lockstep"]
+    print(
+        f"lockstep interval / (learner + rollout): "
+        f"{lock['interval'] / (lock['learner'] + lock['rollout']):.2f}x "
+        "(on-policy lock-step cannot overlap the two)"
+    )
+    ratio = results["async"]["groups_per_s"] / results["lockstep"]["groups_per_s"]
+    print(f"async / lockstep throughput: {ratio:.2f}x (target >= 1.8x where the sides overlap)")
+    print(f"async overhead: {results['async']['overhead']:.2f}x (target <= 1.1x on a GPU)")
+    ok = all(r["reconciled"] for r in results.values())
+    print(f"reconciled: {ok}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

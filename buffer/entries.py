@@ -1,0 +1,104 @@
+"""What the replay buffer hands out and reports, and how its stream entries are read
+(staleflow.buffer.replay has the buffer itself, staleflow.buffer.producer the push side)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from staleflow.buffer.records import Group
+
+__all__ = [
+    "GROUP_NAME",
+    "BufferFullError",
+    "BufferStats",
+    "Fields",
+    "Receipt",
+    "Taken",
+    "id_key",
+    "int_map",
+    "nbytes",
+    "now_ms",
+    "parse_fields",
+    "text",
+]
+
+GROUP_NAME = "learner"  # the stream's consumer group
+Fields = dict[str, bytes | memoryview]
+
+
+class BufferFullError(TimeoutError):
+    """A push waited `push_timeout_s` on a full buffer."""
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """Proof that a group was handed to the learner; pass it to `ack` after the step."""
+
+    entry_id: str
+    policy_version: int
+    replay: bool = False
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What one `take` returned, plus what it dropped on the way."""
+
+    groups: list[Group]
+    receipts: list[Receipt]
+    dropped_stale: int = 0
+    dropped_invalid: int = 0
+
+
+@dataclass(frozen=True)
+class BufferStats:
+    """A snapshot of one run's buffer (see `ReplayBuffer.stats`)."""
+
+    run: str
+    capacity: int
+    length: int  # entries stored: undelivered + pending + kept for replay
+    undelivered: int  # never handed to a consumer
+    pending: int  # handed out, not yet acked (includes replays in flight)
+    replayable: int  # acked, may be trained on again
+    pushed: int
+    duplicates: int  # pushes refused as already present
+    acked: int  # trainings acknowledged (a replayed group counts each time)
+    reused: int  # acks beyond a group's first
+    dropped_stale: int
+    dropped_invalid: int
+    bytes_pushed: int
+    stream_bytes: int  # Redis' estimate of the stream's memory
+    pushed_by_version: dict[int, int] = field(default_factory=dict)
+    trained_by_version: dict[int, int] = field(default_factory=dict)
+
+
+def parse_fields(fields: dict[bytes, bytes]) -> tuple[int, dict[bytes, bytes]]:
+    """(policy version, fields) of a stream entry; a malformed version becomes -1, and the
+    decoder then rejects the entry (it is moved to the invalid stream, not counted stale)."""
+    try:
+        version = int(fields.get(b"v", b"-1"))
+    except ValueError:
+        version = -1
+    return version, fields
+
+
+def nbytes(fields: Fields) -> int:
+    return sum(len(v) if isinstance(v, bytes) else v.nbytes for v in fields.values())
+
+
+def id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def int_map(raw: dict[Any, Any]) -> dict[int, int]:
+    return dict(sorted((int(k), int(v)) for k, v in raw.items()))
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,87 @@
+"""The servers and actors one run uses: started in order, stopped in reverse, safe to stop
+after a partial start (the driver steers them; this module only brings them up and down)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from staleflow.configs.loader import redact
+
+__all__ = ["Services"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Services:
+    cfg: Any
+    rundir: Any  # RunDir
+    address: str | None = None
+    redis: Any = None  # the embedded RedisServer, if the run started one
+    buffer: Any = None  # the driver's ReplayBuffer handle: stats, reconciliation, clear
+    learner: Any = None  # placement.LearnerGroup
+    pool: Any = None  # placement.WorkerPool
+    sync: Any = None  # weights.WeightSync
+    started_ray: bool = False
+
+    def start(self) -> None:
+        """Redis (embedded unless buffer.redis_url), an empty buffer for this run, Ray, the
+        placement check, the learner ranks and the rollout workers, ready to run."""
+        import ray
+
+        from staleflow.buffer.replay import ReplayBuffer
+        from staleflow.buffer.server import RedisServer, redis_dir
+        from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
+        from staleflow.cluster.resources import cluster_nodes, fit, run_requests
+        from staleflow.cluster.weights import WeightSync
+
+        cfg, run_id = self.cfg, self.rundir.path.name
+        url = cfg.buffer.redis_url
+        if url is None:
+            server = RedisServer(redis_dir(self.rundir.path), persistence=cfg.buffer.persistence)
+            self.redis = server.start()
+            url = self.redis.url
+        self.buffer = ReplayBuffer.from_config(cfg.buffer, url, run_id)
+        logger.info("buffer: %s", redact(url))
+        self.buffer.clear()  # a run name reused on a shared server starts from an empty buffer
+        self.started_ray = not ray.is_initialized() and not self.address
+        start_ray(self.address, cfg)
+        fit(run_requests(cfg), cluster_nodes())  # refuse now rather than wait forever
+        publish_dir = cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
+        trajectories = self.rundir.trajectories if cfg.run.record_trajectories else None
+        self.learner = LearnerGroup(
+            cfg,
+            publish_dir=publish_dir,
+            redis_url=url,
+            run_id=run_id,
+            trajectories_dir=str(trajectories) if trajectories else None,
+        )
+        self.pool = WorkerPool(cfg, run_id, url)
+        for _ in range(cfg.rollout.num_workers):
+            self.pool.add()
+        self.sync = WeightSync(cfg, self.learner, self.pool)
+        self.learner.ready(cfg.run.start_timeout_s)
+        self.pool.ready(cfg.run.start_timeout_s)
+        logger.info(
+            "ray: %d rollout worker(s), %d learner rank(s)",
+            len(self.pool.slots),
+            cfg.learner.num_ranks,
+        )
+
+    def stop(self) -> None:
+        """Everything that was started, in reverse; one failure does not stop the rest."""
+        import ray
+
+        for what, stop in (
+            ("workers", lambda: self.pool and [self.pool.remove(s) for s in list(self.pool.slots)]),
+            ("learner", lambda: self.learner and self.learner.kill()),
+            ("buffer", lambda: self.buffer and self.buffer.close()),
+            ("ray", lambda: ray.shutdown() if self.started_ray else None),
+            ("redis", lambda: self.redis and self.redis.stop()),
+        ):
+            try:
+                stop()
+            except Exception:
+                logger.exception("could not stop the %s", what)
