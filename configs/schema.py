@@ -303,7 +303,8 @@ class LearnerConfig(Frozen):
 
 
 class SyncConfig(Frozen):
-    """When and how the learner's weights reach the rollout workers (docs/algorithms.md section 6)."""
+    """When and how the learner's weights reach the rollout workers (docs/algorithms.md
+    section 6)."""
 
     mode: Literal["lockstep", "async"] = Field(
         "lockstep", description="lockstep: exact lag schedule; async: free-running workers."

@@ -12,7 +12,8 @@ optimizer step. The model runs in eval mode: dropout would make its log-probs di
 the behaviour policy's; gradients flow all the same.
 
 CPU uses gloo; the JIT builds DeepSpeed would start on CPU (fused Adam, the shared-memory comm
-op) are avoided with a client torch AdamW and a no-op `build_shm_op` (docs/architecture.md, "Facts about running on CPU").
+op) are avoided with a client torch AdamW and a no-op `build_shm_op` (docs/architecture.md,
+"Facts about running on CPU").
 """
 
 from __future__ import annotations

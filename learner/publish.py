@@ -1,4 +1,5 @@
-"""Weight publishing: learner rank 0 -> rollout engines, versioned (docs/architecture.md, "Contracts").
+"""Weight publishing: learner rank 0 -> rollout engines, versioned (docs/architecture.md,
+"Contracts").
 
     handle = publisher.publish(learner.state_dict_for_sync(), version)   # on learner rank 0
     worker.load_published(handle)                                         # on each worker
