@@ -65,9 +65,16 @@ def run_once(text: str, overrides: list[str], directory: str) -> dict[str, Any]:
     for r in records:
         if r["kind"] == "rollout":  # a lock-step batch is done when its slowest shard is
             shards[r["batch"]] = max(shards[r["batch"]], r["generate_s"] + r.get("load_s", 0.0))
+    if "time_interval_s" not in steps[0]:  # a commit before the step timeline: derive
+        for prev, r in zip([None, *steps], steps, strict=False):
+            r["time_interval_s"] = r["wall_s"] - prev["wall_s"] if prev else float("nan")
+            r["time_step_s"] = r["step_time_s"]
+        steps = steps[1:]
+    keys = ("interval", "take", "step", "ack", "publish", "load", "other")
     med = {
-        key: statistics.median(r[f"time_{key}_s"] for r in steps)
-        for key in ("interval", "take", "step", "ack", "publish", "load", "other")
+        k: statistics.median(r[f"time_{k}_s"] for r in steps)
+        for k in keys
+        if f"time_{k}_s" in steps[0]
     }
     rollout = statistics.median(shards.values())
     span = steps[-1]["wall_s"] - steps[0]["wall_s"]
