@@ -32,6 +32,7 @@ __all__ = [
     "smollm2_dir",
     "tiny_dir",
     "tiny_model",
+    "weights_bytes",
 ]
 
 TINY_CHAT_TEMPLATE = (
@@ -68,6 +69,16 @@ def prepare_model(cfg: Any) -> None:
         smollm2_dir()
     elif cfg.path is not None:
         _check_dir(Path(cfg.path))
+
+
+def weights_bytes(cfg: Any) -> int | None:
+    """Bytes of the model's safetensors files (None for the tiny preset or other formats),
+    once `prepare_model` ran: what one published copy of the weights takes."""
+    if cfg.preset == "tiny":
+        return None
+    path = smollm2_dir() if cfg.preset == "smollm2-135m" else Path(cfg.path)
+    files = list(path.glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files) or None
 
 
 def _check_dir(path: Path) -> None:

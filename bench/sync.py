@@ -87,9 +87,12 @@ def main() -> int:
     from staleflow.learner.sync_group import SyncGroup, free_port
 
     prepare_model(ModelConfig(preset=args.model))
+    from staleflow.cluster.placement import start_ray
+    from staleflow.configs import parse_config
+
     gpus = torch.cuda.device_count()
-    ray.init(num_cpus=4, num_gpus=min(gpus, 1), include_dashboard=False,
-             _node_ip_address="127.0.0.1", log_to_driver=False)  # fmt: skip
+    # the Ray a run of this model would start (its object store sized and pre-faulted)
+    start_ray(None, parse_config(f"model: {{preset: {args.model}}}"), log_to_driver=False)
     model, tokenizer = load_model(ModelConfig(preset=args.model))
     engine = HFEngine(model, tokenizer)
     params = dict(model.state_dict(keep_vars=True))

@@ -37,7 +37,14 @@ from staleflow.learner.publish import (
 )
 from staleflow.learner.sync_group import SyncGroup, free_port, node_address
 
-__all__ = ["LearnerGroup", "LearnerRank", "WorkerPool", "learner_threads", "start_ray"]
+__all__ = [
+    "LearnerGroup",
+    "LearnerRank",
+    "WorkerPool",
+    "learner_threads",
+    "object_store_bytes",
+    "start_ray",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +66,38 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
     if cfg is not None:
         needed = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.learner.num_ranks
     cpus = max(os.cpu_count() or 1, math.ceil(needed)) + SCALE_HEADROOM
-    ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)
+    store = object_store_bytes(cfg) if cfg is not None else None
+    if store is None:
+        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)
+        return
+    # Pages of a fresh object store fault in on first write: pre-faulted, putting 651 MB of
+    # weights takes half the time (bench/sync.py). Only for a store sized to the run.
+    previous = os.environ.get(_PREALLOCATE)
+    os.environ[_PREALLOCATE] = "1"
+    try:
+        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", object_store_memory=store, **kwargs)
+    finally:
+        if previous is None:
+            os.environ.pop(_PREALLOCATE, None)
+        else:
+            os.environ[_PREALLOCATE] = previous
+
+
+_PREALLOCATE = "RAY_preallocate_plasma_memory"
+
+
+def object_store_bytes(cfg: Any) -> int | None:
+    """The object store a local Ray gets for this run: `sync.object_store_mb`, or with
+    `sync.method: ray` room for four published copies of the weights plus 512 MiB (None:
+    Ray's default, e.g. for the tiny model)."""
+    if cfg.sync.object_store_mb is not None:
+        return int(cfg.sync.object_store_mb) << 20
+    if cfg.sync.method != "ray":
+        return None
+    from staleflow.actors.models import weights_bytes
+
+    size = weights_bytes(cfg.model)
+    return None if size is None else 4 * size + (512 << 20)
 
 
 SCALE_HEADROOM = 4

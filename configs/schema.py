@@ -332,6 +332,13 @@ class SyncConfig(Frozen):
     checkpoint_dir: str | None = Field(
         None, description="method checkpoint: shared directory (null: <run dir>/weights)."
     )
+    object_store_mb: int | None = Field(
+        None,
+        ge=64,
+        description="A Ray started by staleflow: object store size in MiB, pre-faulted at start "
+        "so publishes do not page-fault (null: with method ray, 4 copies of the model's "
+        "weights + 512 MiB; else Ray's default). A joined cluster keeps its own setting.",
+    )
 
 
 class RunSection(Frozen):
