@@ -225,9 +225,23 @@ def _add_run_commands(sub: Any) -> None:
     replay.set_defaults(func=_lazy("cmd_replay"))
 
 
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Options and dotted overrides in any order: `train CONFIG --address A run.steps=5`
+    works as well as `train CONFIG run.steps=5 --address A` (argparse alone stops taking
+    positionals once an option came between them)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    options = [a for a in extra if a.startswith("-")]
+    if options or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(options or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]  # checked like any override
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(argv)
     if args.command is None:
         parser.print_help()
         return 0

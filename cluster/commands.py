@@ -169,7 +169,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             if weights is None:
                 print(f"note: {target} has no checkpoint yet; evaluating the initial weights")
         elif (target / "config.json").is_file() and any(target.glob("*.safetensors")):
-            cfg = parse_config({"model": {"path": str(target)}}, overrides)
+            model = json.dumps({"model": {"path": str(target)}})  # JSON is YAML
+            cfg = parse_config(model, overrides, source=f"{target} (model directory)")
             weights = None
         else:
             return _fail(

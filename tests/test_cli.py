@@ -119,3 +119,33 @@ def test_train_help_lists_every_config_key_with_its_schema_description(capsys):
     assert "--address" in out
     assert "--workers" in out
     assert "Ctrl-C" in out
+
+
+def test_options_and_overrides_go_in_any_order():
+    # README's cluster example puts an option between the config and its overrides
+    from staleflow.cluster.cli import parse
+
+    args = parse(["train", "c.yaml", "run.steps=2", "--address", "ray://head:10001", "a.b=1"])
+    assert args.address == "ray://head:10001"
+    assert args.overrides == ["run.steps=2", "a.b=1"]
+    args = parse(["eval", "model-dir", "--prompts", "8", "task.difficulty=2"])
+    assert (args.prompts, args.overrides) == (8, ["task.difficulty=2"])
+    with pytest.raises(SystemExit):
+        parse(["train", "c.yaml", "--no-such-option"])
+    with pytest.raises(SystemExit):
+        parse(["losses", "grpo", "x=1"])  # a command without overrides
+
+
+def test_eval_of_a_model_directory_with_a_task_and_overrides(tmp_path):
+    # `staleflow eval MODEL_DIR --task arithmetic` (README) on the tiny model, saved as a
+    # Hugging Face directory; the overrides come after the options
+    from staleflow.actors.models import tiny_dir
+
+    out = staleflow(
+        "eval", str(tiny_dir()), "--task", "digits", "--prompts", "4", "--json",
+        "task.chat_template=false",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (result["task"], result["prompts"]) == ("digits", 4)
+    assert 0.0 <= result["accuracy"] <= 1.0
