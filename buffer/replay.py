@@ -77,8 +77,9 @@ class ReplayBuffer:
 
     A producer needs only `push`; a learner uses `take` and `ack`. Each learner process should
     have its own `consumer` name (default: host, pid and a random suffix).
-    `claim_idle_s` must exceed the longest learner step, or a slow step's groups are handed to
-    another consumer.
+    Groups a consumer holds (taken, not yet acked) are never handed out to it again; another
+    consumer reclaims them after `claim_idle_s`, so with several learner processes it must
+    exceed the longest time one holds a group (a step, plus the prefetch before it).
     """
 
     def __init__(
@@ -162,6 +163,9 @@ class ReplayBuffer:
         # Entries delivered to this consumer but not yet handed out: entry id -> (version,
         # payload). They stay pending in Redis, so they are reclaimed if this process dies.
         self._pool: dict[str, tuple[int, dict[bytes, bytes]]] = {}
+        # Entries this consumer handed out and has not acked: still pending under its name in
+        # Redis, so XAUTOCLAIM would return them to it; they must not be handed out twice.
+        self._held: set[str] = set()
         self._last_claim = 0.0
         self._group_ready = False
 
@@ -232,6 +236,8 @@ class ReplayBuffer:
                 continue
             groups.append(group)
             receipts.append(Receipt(entry_id, version, replay))
+            if not replay:
+                self._held.add(entry_id)
         if bad:
             invalid = self._drop_entries(bad, "invalid")
         return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid)
@@ -247,7 +253,10 @@ class ReplayBuffer:
             args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
         if len(args) == 2:
             return 0
-        return int(self._ack(keys=[*self._entry_keys, self.trained_by_version_key], args=args))
+        acked = int(self._ack(keys=[*self._entry_keys, self.trained_by_version_key], args=args))
+        for i in range(2, len(args), 3):
+            self._held.discard(args[i])
+        return acked
 
     @translate_errors
     def stats(self) -> BufferStats:
@@ -296,6 +305,7 @@ class ReplayBuffer:
         """Delete every key of this run; returns how many were deleted."""
         keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
         self._pool.clear()
+        self._held.clear()
         self._group_ready = False
         return int(self.client.delete(*keys)) if keys else 0
 
@@ -334,8 +344,10 @@ class ReplayBuffer:
                 self.stream_key, GROUP_NAME, self.consumer, idle_ms, start_id=start, count=256
             )
             for entry_id, fields in claimed:
-                if fields:  # deleted entries come back empty
-                    self._pool.setdefault(text(entry_id), parse_fields(fields))
+                entry = text(entry_id)
+                # deleted entries come back empty; held ones are in a step or staged already
+                if fields and entry not in self._held:
+                    self._pool.setdefault(entry, parse_fields(fields))
             if text(start) == "0-0":
                 break
         if self.sampling == "replay":

@@ -54,6 +54,7 @@ class Driver:
         self.open_shards: dict[int, int] = {}
         self.learning: list[Any] | None = None  # refs of the learner call in flight
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
+        self._publish_when_idle = False  # async broadcast: engines were added
         self.timeline = Timeline()
         self.evals: list[tuple[Any, int]] = []
         self.accuracy: dict[int, float] = {}
@@ -98,9 +99,13 @@ class Driver:
                     f"holds {self.flow.untrained()} of the {self.schedule.G} groups a step "
                     "needs; raise buffer.max_staleness or buffer.capacity"
                 )
+        if self.learning is None and self._publish_when_idle:
+            self._publish_when_idle = False
+            self._publish()  # broadcast to newly added engines, between learner calls
         if self.learning is None and self.schedule.may_step(self.flow):
             publish = not self.sync.broadcasts and self.schedule.publishes_after(self.step + 1)
-            self.batch_was_complete = self.flow.batches_done > self.step
+            done = self.flow.batches_done > self.step
+            self.batch_was_complete = self.schedule.lockstep and done
             wait = COMPLETE_BATCH_WAIT_S if self.batch_was_complete else LEARNER_WAIT_S
             self.learning = self.learner.train(wait, publish)
 
@@ -122,16 +127,33 @@ class Driver:
 
     # ------------------------------------------------------------------------ events
 
+    def _account(self, report: Any) -> None:
+        """Count what a learner call did (also for a call the run is not waiting for)."""
+        c, flow = self.counts, self.flow
+        c.dropped_stale += report.dropped_stale
+        c.dropped_invalid += report.dropped_invalid
+        flow.dropped += report.dropped_stale + report.dropped_invalid
+        if not report.trained:
+            return
+        if report.acked != report.metrics["groups"]:
+            logger.error(
+                "step %d: the buffer acked %d of the %d groups trained (acked before, or lost "
+                "by the server): the summary will not reconcile", flow.steps + 1,
+                report.acked, int(report.metrics["groups"]),
+            )  # fmt: skip
+        flow.steps += 1
+        flow.trained += int(report.metrics["groups"])
+        c.trained += report.acked
+        c.learner_s += report.timeline["step_s"]
+
     def _on_learner_done(self) -> None:
         import ray
 
         assert self.learning is not None
         report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
         self.learning = None
-        c, flow = self.counts, self.flow
-        c.dropped_stale += report.dropped_stale
-        c.dropped_invalid += report.dropped_invalid
-        flow.dropped += report.dropped_stale + report.dropped_invalid
+        self._account(report)
+        c = self.counts
         if not report.trained:
             if self.schedule.lockstep and self.batch_was_complete:
                 raise RuntimeError(
@@ -140,11 +162,6 @@ class Driver:
                     "`staleflow buffer stats`"
                 )
             return
-        groups = int(report.metrics["groups"])
-        flow.steps += 1
-        flow.trained += groups
-        c.trained += groups
-        c.learner_s += report.timeline["step_s"]
         if report.version != self.step:
             raise RuntimeError(
                 f"the learner is at policy version {report.version} after the driver's step "
@@ -344,7 +361,9 @@ class Driver:
         added = n > len(self.pool.active)
         self._scale(n)
         if self.sync.broadcasts and added:
-            self._publish()  # new engines get the newest weights now (async: any version runs)
+            # new engines get the newest weights (async: any version runs) once the learner
+            # is between calls, so the weights published are exactly version `step`
+            self._publish_when_idle = True
 
     def _scale(self, n: int) -> None:
         active = self.pool.active
@@ -381,6 +400,7 @@ class Driver:
 
     def _finish(self, status: str) -> dict[str, Any]:
         """Checkpoint, reconcile, report and stop everything; safe after a partial start."""
+        self._absorb_learner_call()
         summary: dict[str, Any] = {"status": status, "steps": self.step, "run_id": self.run_id}
         try:
             if getattr(self, "learner", None) is not None and self.step > 0:
@@ -417,6 +437,22 @@ class Driver:
                 "could not write the report; rerun `staleflow report %s`", self.rundir.path
             )
         return summary
+
+    def _absorb_learner_call(self) -> None:
+        """A learner call still running when the run stops (an error elsewhere, a second
+        Ctrl-C) may finish its step and ack it: wait for it and count it, so the checkpoint
+        and the summary agree with the buffer."""
+        import ray
+
+        if self.learning is None:
+            return
+        refs, self.learning = self.learning, None
+        try:
+            report = ray.get(refs[0], timeout=COMPLETE_BATCH_WAIT_S + 60)
+        except Exception:
+            logger.exception("the learner call in flight at the stop did not finish")
+            return
+        self._account(report)
 
     def _teardown(self) -> None:
         self.services.stop()

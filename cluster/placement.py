@@ -71,19 +71,30 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
         ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)
         return
     # Pages of a fresh object store fault in on first write: pre-faulted, putting 651 MB of
-    # weights takes half the time (bench/sync.py). Only for a store sized to the run.
-    previous = os.environ.get(_PREALLOCATE)
-    os.environ[_PREALLOCATE] = "1"
+    # weights takes less than half the time (bench/sync.py). Only in shared memory: where
+    # /dev/shm is too small Ray puts the store on disk, and pre-faulting that would be slow.
+    prefault = _shm_free() >= store
+    if not prefault:
+        logger.warning(
+            "/dev/shm has less free space than the %d MiB object store: Ray will keep it on "
+            "disk, and weight publishes will be slower (give the container a larger /dev/shm, "
+            "e.g. docker --shm-size)", store >> 20,
+        )  # fmt: skip
+    ray.init(
+        num_cpus=cpus,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=store,
+        _system_config={"preallocate_plasma_memory": prefault},
+        **kwargs,
+    )
+
+
+def _shm_free() -> int:
     try:
-        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", object_store_memory=store, **kwargs)
-    finally:
-        if previous is None:
-            os.environ.pop(_PREALLOCATE, None)
-        else:
-            os.environ[_PREALLOCATE] = previous
-
-
-_PREALLOCATE = "RAY_preallocate_plasma_memory"
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def object_store_bytes(cfg: Any) -> int | None:
@@ -211,6 +222,7 @@ class StepReport:
     dropped_invalid: int = 0
     timeline: dict[str, float] = field(default_factory=dict)  # take_s, step_s, ack_s, ...
     weights: Any = None  # the published handle, when asked to publish (ray, checkpoint)
+    acked: int = 0  # groups the buffer counted as acked (== trained, or something is wrong)
 
 
 class LearnerRank:
@@ -258,20 +270,24 @@ class LearnerRank:
         asked. Every rank is called at once; rank 0 returns the report."""
         version = self.learner.version
         t0 = time.perf_counter()
-        batch = self.feed.next(version, wait_s) if self.feed is not None else None
-        groups = self._share(batch.groups if batch is not None else None)
+        batch, failure = None, None
+        if self.rank == 0:
+            try:
+                batch = self.feed.next(version, wait_s) if self.feed is not None else None
+                if batch is not None and self.trajectories is not None:
+                    self.trajectories.record(version + 1, version, batch.groups)
+            except Exception as exc:  # every rank must leave the collective below together
+                failure = exc
+        groups = self._share(batch.groups if batch is not None else None, failure)
         stale, invalid = self.feed.drops() if self.feed is not None else (0, 0)
         if groups is None:
             return StepReport(False, version, dropped_stale=stale, dropped_invalid=invalid)
         if self.feed is not None:  # read and decode the next batch while this one trains
             self.feed.prefetch(version + 1, wait_s=self._step_s)
-        if self.trajectories is not None:
-            self.trajectories.record(version + 1, version, groups)
         t1 = time.perf_counter()
         metrics = self.learner.step(groups)
         t2 = time.perf_counter()
-        if self.feed is not None and batch is not None:
-            self.feed.ack(batch)  # the step is committed: these groups are trained
+        acked = self.feed.ack(batch) if self.feed is not None and batch is not None else 0
         t3 = time.perf_counter()
         weights = self.publish() if publish else None
         t4 = time.perf_counter()
@@ -288,19 +304,28 @@ class LearnerRank:
         }
         reward = float(np.mean([g.rewards.mean() for g in groups]))
         return StepReport(
-            True, self.learner.version, metrics, reward, lags, stale, invalid, timeline, weights
-        )
+            True, self.learner.version, metrics, reward, lags, stale, invalid, timeline,
+            weights, acked,
+        )  # fmt: skip
 
-    def _share(self, groups: list[Group] | None) -> list[Group] | None:
+    def _share(
+        self, groups: list[Group] | None, failure: BaseException | None = None
+    ) -> list[Group] | None:
         """Rank 0's groups (or None: not enough yet) on every rank, over the learner's own
-        process group; the groups were validated by rank 0's decoder."""
-        if self.world_size == 1:
-            return groups
-        import torch.distributed as dist
+        process group; the groups were validated by rank 0's decoder. A failure on rank 0
+        is raised on every rank, so none waits in a collective for it."""
+        if self.world_size > 1:
+            import torch.distributed as dist
 
-        box = [groups]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+            box: list[Any] = [("error", repr(failure)) if failure else ("ok", groups)]
+            dist.broadcast_object_list(box, src=0)
+            kind, payload = box[0]
+            if kind == "error" and failure is None:
+                raise RuntimeError(f"learner rank 0 failed to take its batch: {payload}")
+            groups = payload
+        if failure is not None:
+            raise failure
+        return groups
 
     def publish(self) -> Any:
         """ray / checkpoint: every rank gathers (ZeRO-3 needs all); rank 0 returns the

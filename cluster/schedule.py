@@ -167,7 +167,15 @@ def check_schedule(cfg: Any) -> None:
                 f"sync.offset={sync.offset} only applies to sync.mode: lockstep; in async "
                 "mode bound the lag with buffer.max_staleness instead"
             )
-        least = async_least_lag(sync.interval, cfg.rollout.prompts_per_batch, per_step)
+        P = cfg.rollout.prompts_per_batch
+        least = async_least_lag(sync.interval, P, per_step)
+        room = per_step + P - math.gcd(P, per_step)
+        if buf.capacity < room:
+            raise ScheduleError(
+                f"buffer.capacity ({buf.capacity}) is below {room}: async admission could "
+                f"stall with fewer than one step's {per_step} groups stored and no room for "
+                f"another batch of {P}; raise it to at least {room}"
+            )
         if buf.max_staleness is not None and buf.max_staleness < least:
             raise ScheduleError(
                 f"buffer.max_staleness={buf.max_staleness} is below {least}, the lag that "

@@ -1,6 +1,6 @@
 """What each learner step consumed, and retraining on exactly that (`staleflow replay`).
 
-The driver records, for every learner step, the groups it handed the learner: their ids,
+Learner rank 0 records, for every learner step, the groups it took from the buffer: their ids,
 policy versions and order (`trajectories/steps.jsonl`, one line per step), and the groups
 themselves, each once, in the buffer's wire format (`trajectories/groups.bin`: an 8-byte
 little-endian length, then `codec.encode(group)`). Both are appended and flushed before the

@@ -92,8 +92,9 @@ class BatchFeed:
         self._join()
         return self.drops()
 
-    def ack(self, batch: Batch) -> None:
-        self.buffer.ack(batch.receipts)
+    def ack(self, batch: Batch) -> int:
+        """Ack a trained batch; returns how many of its groups were pending (all of them)."""
+        return self.buffer.ack(batch.receipts)
 
     def drops(self) -> tuple[int, int]:
         """(stale, invalid) dropped since the last call."""

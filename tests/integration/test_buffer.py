@@ -152,6 +152,23 @@ def test_consumer_killed_before_ack_is_redelivered_once(redis_url):
     assert survivor.stats().acked == 5
 
 
+def test_groups_a_consumer_holds_are_never_handed_to_it_again(redis_url):
+    # The learner holds groups past claim_idle_s (staged for a batch that is not complete,
+    # prefetched during a step). Its own reclaim must not hand them out a second time.
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=0.2)
+    buffer.push(group(prompt="p0"))
+    first, ids = take_all(buffer, 2)  # short: p0 is held, the batch waits for more
+    assert ids == ["p0"]
+    time.sleep(0.4)  # p0 is now idle longer than claim_idle_s
+    buffer.push(group(prompt="p1"))
+    second, ids = take_all(buffer, 2)
+    assert ids == ["p1"]  # not p0 again
+    assert buffer.ack(first.receipts + second.receipts) == 2
+    _after, ids = take_all(buffer, 1)
+    assert ids == []
+    assert buffer.stats().acked == 2
+
+
 def test_slow_step_is_not_stolen_before_claim_idle(redis_url):
     ReplayBuffer(redis_url, "run").push(group())
     first = ReplayBuffer(redis_url, "run", consumer="first", claim_idle_s=30)

@@ -49,6 +49,13 @@ def test_async_least_lag():
         check_schedule(config("learner.groups_per_step=3", "buffer.max_staleness=0"))
 
 
+def test_async_needs_room_for_a_step_and_a_batch():
+    # P=2, G=3: up to G - gcd(2, 3) = 2 groups can wait while no batch fits; room 3 + 2 - 1
+    with pytest.raises(ScheduleError, match="at least 4"):
+        check_schedule(config("learner.groups_per_step=3", "buffer.capacity=3"))
+    check_schedule(config("learner.groups_per_step=3", "buffer.capacity=4"))
+
+
 def test_lockstep_runs_one_batch_at_a_time_once_its_version_is_published():
     s = Schedule(config("sync.mode=lockstep", "sync.interval=1", "sync.offset=1"))
     flow = Flow(published={0}, latest=0)
