@@ -394,6 +394,7 @@ class Driver:
         self._publish()
         self._evaluate(0)
         self.started = time.time()  # busy fractions and wall time count from here
+        self.timeline = Timeline()  # so does the first step's interval (not the first publish)
         self._write_status("running")
         if self.progress is not None:
             self.progress.start(self.cfg.run.steps)
