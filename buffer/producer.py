@@ -22,7 +22,8 @@ _RESERVE_TTL_S = 30  # a producer that dies between reserving and adding blocks 
 
 
 class Producer:
-    """Appends groups to one run's stream (keys under `prefix`); see `push_many`."""
+    """Appends groups to one run's stream (the ReplayBuffer names its keys; the dedup keys
+    go under `prefix`); see `push_many`."""
 
     def __init__(
         self,
@@ -31,6 +32,9 @@ class Producer:
         run: str,
         prefix: str,
         *,
+        stream_key: str,
+        stats_key: str,
+        pushed_by_version_key: str,
         capacity: int,
         push_timeout_s: float,
         dedup_ttl_s: int,
@@ -39,9 +43,8 @@ class Producer:
         self.client, self._tx_client = client, tx_client
         self.url_for_display = url_for_display  # errors name the server, password masked
         self.run, self.prefix = run, prefix
-        self.stream_key = prefix + "stream"
-        self.stats_key = prefix + "stats"
-        self.pushed_by_version_key = prefix + "versions:pushed"
+        self.stream_key, self.stats_key = stream_key, stats_key
+        self.pushed_by_version_key = pushed_by_version_key
         self.capacity = capacity
         self.push_timeout_s = push_timeout_s
         self.dedup_ttl_s = dedup_ttl_s

@@ -122,10 +122,8 @@ class ReplayBuffer:
         self.sampling: Sampling = sampling
         self.max_reuse = max_reuse
         self.max_staleness = max_staleness
-        self.push_timeout_s = push_timeout_s
         self.claim_idle_s = claim_idle_s
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.dedup_ttl_s = dedup_ttl_s
 
         prefix = f"staleflow:{run}:"
         self.prefix = prefix
@@ -151,6 +149,9 @@ class ReplayBuffer:
             self._tx_client,
             run,
             prefix,
+            stream_key=self.stream_key,
+            stats_key=self.stats_key,
+            pushed_by_version_key=self.pushed_by_version_key,
             capacity=capacity,
             push_timeout_s=push_timeout_s,
             dedup_ttl_s=dedup_ttl_s,

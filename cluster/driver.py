@@ -212,7 +212,6 @@ class Driver:
         self.pool.finished(slot)
         report = ray.get(ref)
         self.counts.rollout_s += report.generate_s
-        self.counts.pushed_by_reports += report.pushed
         self.flow.pushed += report.pushed
         self.timeline.load_s += report.load_s
         self.open_shards[batch] -= 1
@@ -220,7 +219,6 @@ class Driver:
             del self.open_shards[batch]
             del self.flow.running[batch]
             self.flow.batches_done += 1
-            self.counts.rollout_batches += 1
         self.metrics.write(
             "rollout", self.step, worker=slot.index, batch=batch,
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,
@@ -243,7 +241,6 @@ class Driver:
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
         self.flow.latest = max(self.flow.latest, weights.version)
-        self.flow.published = set(self.published)
         # keep what the schedule, a pending eval or the workers may still load
         keep = self.schedule.versions_needed(self.flow) | {v for _, v in self.evals}
         for v in [v for v in self.published if v < min(keep)]:
@@ -404,15 +401,15 @@ class Driver:
         self._absorb_learner_call()
         summary: dict[str, Any] = {"status": status, "steps": self.step, "run_id": self.run_id}
         try:
-            if getattr(self, "learner", None) is not None and self.step > 0:
+            if self.learner is not None and self.step > 0:
                 self._checkpoint()
-            if getattr(self, "buffer", None) is not None:
-                if getattr(self, "learner", None) is not None:
+            if self.buffer is not None:
+                if self.learner is not None:
                     stale, invalid = self.learner.settle()  # no take races the counts
                     self.counts.dropped_stale += stale
                     self.counts.dropped_invalid += invalid
                 elapsed = time.time() - self.started
-                summary.update(reconcile(self.buffer.stats(), self.counts, elapsed))
+                summary.update(reconcile(self.buffer.stats(), self.counts, self.flow, elapsed))
         except Exception:
             logger.exception("could not checkpoint or reconcile the run")
             summary["status"] = status = "failed"
@@ -457,11 +454,11 @@ class Driver:
 
     def _teardown(self) -> None:
         self.services.stop()
-        if getattr(self, "metrics", None) is not None:
+        if self.metrics is not None:
             self.metrics.close()
 
     def _write_status(self, state: str) -> None:
-        pool = getattr(self, "pool", None)
+        pool = self.pool
         write_json(
             self.rundir.status,
             {

@@ -12,15 +12,15 @@ __all__ = ["Counts", "Timeline", "reconcile"]
 
 @dataclass
 class Counts:
-    """Groups as the driver heard of them (from the learner's and workers' reports)."""
+    """Groups as the driver heard of them from the learner's reports (acked, dropped by
+    reason) and time spent; what the schedule needs (pushed, batches) is in cluster.schedule's
+    Flow."""
 
-    trained: int = 0
+    trained: int = 0  # acked by the buffer
     dropped_stale: int = 0
     dropped_invalid: int = 0
-    rollout_batches: int = 0
     rollout_s: float = 0.0  # summed over workers: generation time
-    learner_s: float = 0.0  # learner calls in flight
-    pushed_by_reports: int = 0
+    learner_s: float = 0.0  # the learner's steps (forward, backward, optimizer)
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Timeline:
         return out
 
 
-def reconcile(stats: Any, c: Counts, elapsed: float) -> dict[str, Any]:
+def reconcile(stats: Any, c: Counts, flow: Any, elapsed: float) -> dict[str, Any]:
     """pushed = trained + dropped (stale, invalid) + left in the buffer, by both counts."""
     left = stats.undelivered + stats.pending
     first_trainings = stats.acked - stats.reused
@@ -76,11 +76,11 @@ def reconcile(stats: Any, c: Counts, elapsed: float) -> dict[str, Any]:
             "trained": c.trained,
             "dropped_stale": c.dropped_stale,
             "dropped_invalid": c.dropped_invalid,
-            "pushed_by_finished_batches": c.pushed_by_reports,
+            "pushed_by_finished_batches": flow.pushed,
         },
         "pushed_by_version": stats.pushed_by_version,
         "trained_by_version": stats.trained_by_version,
-        "rollout_batches": c.rollout_batches,
+        "rollout_batches": flow.batches_done,
         "learner_busy": c.learner_s / max(elapsed, 1e-9),
         "rollout_busy_s": c.rollout_s,
     }

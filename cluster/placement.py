@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -292,10 +293,7 @@ class LearnerRank:
         weights = self.publish() if publish else None
         t4 = time.perf_counter()
         self._step_s = t2 - t1
-        lags: dict[str, int] = {}
-        for g in groups:
-            key = str(version - g.policy_version)
-            lags[key] = lags.get(key, 0) + 1
+        lags = Counter(str(version - g.policy_version) for g in groups)
         timeline = {
             "take_s": batch.take_s if batch is not None else t1 - t0,
             "step_s": t2 - t1,
@@ -304,7 +302,7 @@ class LearnerRank:
         }
         reward = float(np.mean([g.rewards.mean() for g in groups]))
         return StepReport(
-            True, self.learner.version, metrics, reward, lags, stale, invalid, timeline,
+            True, self.learner.version, metrics, reward, dict(lags), stale, invalid, timeline,
             weights, acked,
         )  # fmt: skip
 
