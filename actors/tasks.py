@@ -102,14 +102,20 @@ def _numbers_equal(value: float | None, reference: float) -> bool:
     return value is not None and abs(value - reference) < 1e-6
 
 
-def _in_eval_split(key: str, every: int = 10) -> bool:
-    """Deterministic ~1/`every` held-out split by a hash of the problem."""
-    return zlib.crc32(key.encode()) % every == 0
+EVAL_FRACTION = 0.1
 
 
-def _split_by_hash(prompts: list[Prompt]) -> tuple[list[Prompt], list[Prompt]]:
-    """(train, held out): ~10% held out by a hash of the prompt text."""
-    held_out = [_in_eval_split(p.text) for p in prompts]
+def _in_eval_split(key: str, fraction: float = EVAL_FRACTION) -> bool:
+    """Deterministic held-out split by a hash of the problem: about `fraction` of all keys,
+    and a larger fraction holds out a superset of a smaller one's problems."""
+    return zlib.crc32(key.encode()) % 1000 < round(fraction * 1000)
+
+
+def _split_by_hash(
+    prompts: list[Prompt], fraction: float = EVAL_FRACTION
+) -> tuple[list[Prompt], list[Prompt]]:
+    """(train, held out): about `fraction` held out by a hash of the prompt text."""
+    held_out = [_in_eval_split(p.text, fraction) for p in prompts]
     train = [p for p, h in zip(prompts, held_out, strict=True) if not h]
     return train, [p for p, h in zip(prompts, held_out, strict=True) if h]
 
@@ -145,15 +151,17 @@ class ArithmeticTask:
         format_reward: float = 0.0,
         seed: int = 0,
         chat_template: bool = True,
+        eval_fraction: float = EVAL_FRACTION,
     ) -> None:
         self.name = "arithmetic"
+        self.eval_fraction = eval_fraction
         self.high = 10**difficulty
         self.operations = tuple(operations)
         self.format_reward = format_reward
         self.seed = seed
         self.chat_template = chat_template
         eval_count = sum(
-            _in_eval_split(self._key(a, op, b))
+            _in_eval_split(self._key(a, op, b), eval_fraction)
             for a in range(min(self.high, 100))
             for b in range(min(self.high, 100))
             for op in self.operations
@@ -177,7 +185,7 @@ class ArithmeticTask:
         while True:
             a, b = rng.randrange(self.high), rng.randrange(self.high)
             op = rng.choice(self.operations)
-            if _in_eval_split(self._key(a, op, b)) == held_out:
+            if _in_eval_split(self._key(a, op, b), self.eval_fraction) == held_out:
                 return self._prompt(a, op, b)
 
     def train_prompts(self) -> Iterator[Prompt]:
@@ -235,7 +243,12 @@ class GSM8KTask:
     """GSM8K from local JSONL files: {"question": ..., "answer": "... #### 42"} per line."""
 
     def __init__(
-        self, path: str, eval_path: str | None = None, seed: int = 0, chat_template: bool = True
+        self,
+        path: str,
+        eval_path: str | None = None,
+        seed: int = 0,
+        chat_template: bool = True,
+        eval_fraction: float = EVAL_FRACTION,
     ) -> None:
         self.name = "gsm8k"
         self.chat_template = chat_template
@@ -244,8 +257,8 @@ class GSM8KTask:
         if eval_path is not None:
             self.train = rows
             self.eval = _read_gsm8k(Path(eval_path))
-        else:  # hold out ~10% by a hash of the question
-            self.train, self.eval = _split_by_hash(rows)
+        else:  # hold out a fraction by a hash of the question
+            self.train, self.eval = _split_by_hash(rows, eval_fraction)
         if not self.train:
             raise TaskError(f"{path}: no training problems")
 
@@ -362,7 +375,14 @@ class CustomTask:
     """Prompts from a JSONL file ({"prompt": ..., any metadata}); the reward is
     `reward_fn(metadata: dict, response: str) -> float`, given as 'package.module:function'."""
 
-    def __init__(self, path: str, reward_fn: str, seed: int = 0, chat_template: bool = True):
+    def __init__(
+        self,
+        path: str,
+        reward_fn: str,
+        seed: int = 0,
+        chat_template: bool = True,
+        eval_fraction: float = EVAL_FRACTION,
+    ):
         self.name = "custom"
         self.chat_template = chat_template
         self.seed = seed
@@ -375,7 +395,7 @@ class CustomTask:
             prompts.append(
                 Prompt(f"custom:{line_no}", text, str(obj.get("answer", "")), metadata=obj)
             )
-        self.train, self.eval = _split_by_hash(prompts)
+        self.train, self.eval = _split_by_hash(prompts, eval_fraction)
         if not self.train:
             raise TaskError(f"{path}: no training prompts")
 
@@ -413,14 +433,19 @@ def make_task(cfg: Any) -> Task:
     """The task a `TaskConfig` (staleflow.configs.schema) describes."""
     if cfg.name == "arithmetic":
         return ArithmeticTask(
-            cfg.difficulty, tuple(cfg.operations), cfg.format_reward, cfg.seed, cfg.chat_template
+            cfg.difficulty,
+            tuple(cfg.operations),
+            cfg.format_reward,
+            cfg.seed,
+            cfg.chat_template,
+            cfg.eval_fraction,
         )
     if cfg.name == "digits":
         return DigitsTask(cfg.seed, cfg.chat_template)
     if cfg.name == "gsm8k":
-        return GSM8KTask(cfg.path, cfg.eval_path, cfg.seed, cfg.chat_template)
+        return GSM8KTask(cfg.path, cfg.eval_path, cfg.seed, cfg.chat_template, cfg.eval_fraction)
     if cfg.name == "custom":
-        return CustomTask(cfg.path, cfg.reward_fn, cfg.seed, cfg.chat_template)
+        return CustomTask(cfg.path, cfg.reward_fn, cfg.seed, cfg.chat_template, cfg.eval_fraction)
     if cfg.name.startswith("reasoning_gym:"):
         return ReasoningGymTask(
             cfg.name.split(":", 1)[1], cfg.seed, chat_template=cfg.chat_template

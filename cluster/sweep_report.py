@@ -13,6 +13,8 @@ the learner step. The summary table gives, per (column, line):
   COLLAPSE_DROP below the peak (the policy got worse and stayed worse);
 - reward_initial / reward_final / reward_auc: the same for the held-out mean reward, which
   also moves when accuracy is a hard threshold (the tiny model's all-digit answers);
+- final_low / final_high: the lowest and highest final accuracy over the seeds;
+- minutes: the runs' mean wall-clock time (start to end, evaluations included);
 - kl_last / entropy_last: KL(behaviour || policy) and the policy's entropy, averaged over the
   last TAIL_STEPS learner steps (how far each method moved from the data it trained on).
 
@@ -119,14 +121,18 @@ def write_sweep_report(directory: str | Path) -> Path:
     columns = list(dict.fromkeys(c["labels"][col_axis] for c in spec["cells"]))
     lines = list(dict.fromkeys(c["labels"][line_axis] for c in spec["cells"]))
 
-    def runs_of(column: str, line: str) -> list[list[dict[str, Any]]]:
+    def cells_of(column: str, line: str) -> list[str]:
+        """The completed cells of one (column, line)."""
         return [
-            records[c["name"]]
+            c["name"]
             for c in spec["cells"]
             if c["labels"][col_axis] == column
             and c["labels"][line_axis] == line
             and c["name"] in records
         ]
+
+    def runs_of(column: str, line: str) -> list[list[dict[str, Any]]]:
+        return [records[name] for name in cells_of(column, line)]
 
     plots = directory / "plots"
     plots.mkdir(exist_ok=True)
@@ -158,15 +164,24 @@ def write_sweep_report(directory: str | Path) -> Path:
     rows = []
     for column in columns:
         for line in lines:
+            if col_axis == line_axis and column != line:
+                continue  # one axis for both: its values are the rows
             row = summarize(Curve(runs_of(column, line), "eval", "accuracy"), spec["threshold"])
             reward = summarize(Curve(runs_of(column, line), "eval", "reward_mean"), math.inf)
             row.update({f"reward_{k}": reward.get(k) for k in ("initial", "final", "auc")})
             for name, key in (("kl_last", "approx_kl"), ("entropy_last", "entropy")):
                 tail = Curve(runs_of(column, line), "step", key).mean[-TAIL_STEPS:]
                 row[name] = float(tail.mean()) if len(tail) else None
+            final = Curve(runs_of(column, line), "eval", "accuracy")
+            if final.runs and len(final.steps):
+                row["final_low"], row["final_high"] = float(final.low[-1]), float(final.high[-1])
+            walls = [_wall_s(directory / "runs" / name) for name in cells_of(column, line)]
+            known = [w for w in walls if w is not None]
+            row["minutes"] = sum(known) / len(known) / 60 if known else None
             rows.append({col_axis: column, line_axis: line, **row})
     (directory / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
-    fields = [col_axis, line_axis, "runs", "initial", "final", "peak", "auc"]
+    fields = [col_axis] + ([line_axis] if line_axis != col_axis else [])
+    fields += ["runs", "initial", "final", "final_low", "final_high", "peak", "auc", "minutes"]
     fields += ["steps_to_threshold", "collapse", "reward_initial", "reward_final", "reward_auc"]
     fields += ["kl_last", "entropy_last"]
     with open(directory / "summary.csv", "w", newline="") as f:
@@ -177,6 +192,15 @@ def write_sweep_report(directory: str | Path) -> Path:
     report = directory / "report.html"
     report.write_text(_html(spec, rows, fields, directory.name))
     return report
+
+
+def _wall_s(run: Path) -> float | None:
+    """A completed run's wall-clock seconds from its summary.json, if it recorded them."""
+    try:
+        wall = json.loads((run / "summary.json").read_text()).get("wall_s")
+    except (OSError, ValueError):
+        return None
+    return float(wall) if isinstance(wall, (int, float)) else None
 
 
 def _fmt(value: Any) -> str:

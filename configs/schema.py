@@ -83,6 +83,13 @@ class TaskConfig(Frozen):
     eval_prompts: int = Field(
         64, ge=0, le=100_000, description="Held-out prompts per evaluation (0 disables eval)."
     )
+    eval_fraction: float = Field(
+        0.1,
+        gt=0.0,
+        le=0.5,
+        description="arithmetic / gsm8k without eval_path / custom: fraction of the problems "
+        "held out for evaluation (chosen by a hash of the problem; never trained on).",
+    )
     eval_temperature: float = Field(
         1.0, ge=0.0, le=10.0, description="Sampling temperature at evaluation (0 = greedy)."
     )
