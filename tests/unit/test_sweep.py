@@ -9,7 +9,7 @@ import pytest
 
 from staleflow.buffer.records import synthetic_groups
 from staleflow.cluster.sweep import SweepError, load_sweep
-from staleflow.cluster.sweep_report import Curve, summarize
+from staleflow.cluster.sweep_report import Curve, summarize, write_sweep_report
 from staleflow.cluster.trajectories import TrajectoryLog, read_trajectories
 
 BASE = """
@@ -151,3 +151,35 @@ def test_trajectory_log_round_trip_stores_each_group_once(tmp_path):
     assert len(steps) == 2
     assert len(stored) == 3
     assert json.loads(json.dumps(steps[0]))["step"] == 1
+
+
+def test_report_with_one_axis_for_columns_and_lines_gives_minutes_and_the_seed_range(tmp_path):
+    # Two settings x two seeds, the setting axis both columns and lines (the quickstart study).
+    cells, finals = [], {"a": (0.5, 0.7), "b": (0.9, 0.8)}
+    for setting, (seed0, seed1) in finals.items():
+        for seed, final, wall in (("s0", seed0, 600.0), ("s1", seed1, 660.0)):
+            name = f"{setting}__{seed}"
+            cells.append({"name": name, "labels": {"sync": setting, "seed": seed}})
+            run = tmp_path / "runs" / name
+            run.mkdir(parents=True)
+            evals = [(0, 0.2), (10, final)]
+            run.joinpath("metrics.jsonl").write_text(
+                "".join(
+                    json.dumps({"kind": "eval", "step": s, "accuracy": a, "reward_mean": a}) + "\n"
+                    for s, a in evals
+                )
+            )
+            run.joinpath("summary.json").write_text(
+                json.dumps({"status": "completed", "wall_s": wall})
+            )
+    spec = {"cells": cells, "columns": "sync", "lines": "sync", "threshold": 0.6, "base": "b"}
+    (tmp_path / "sweep.json").write_text(json.dumps(spec))
+    write_sweep_report(tmp_path)
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["sync"] for r in rows] == ["a", "b"]  # no (a, b) / (b, a) rows
+    a, b = rows
+    assert a["final"] == pytest.approx((0.5 + 0.7) / 2)
+    assert (a["final_low"], a["final_high"]) == (0.5, 0.7)
+    assert (b["final_low"], b["final_high"]) == (0.8, 0.9)
+    assert a["minutes"] == pytest.approx((600 + 660) / 2 / 60)  # 10.5
+    assert "| a | 2 |" in (tmp_path / "summary.md").read_text()

@@ -6,6 +6,7 @@ import itertools
 import json
 import sys
 import textwrap
+from collections import Counter
 
 import pytest
 
@@ -18,7 +19,7 @@ from staleflow.actors.tasks import (
     extract_final_number,
     make_task,
 )
-from staleflow.configs import parse_config
+from staleflow.configs import ConfigError, parse_config
 
 
 @pytest.mark.parametrize(
@@ -81,6 +82,32 @@ def test_arithmetic_prompts_are_seeded_and_held_out_is_disjoint():
     for p in train[:50] + held_out[:10]:
         a, _, b = p.text.removeprefix("What is ").split("?")[0].split(" ")
         assert int(p.answer) == int(a) + int(b)
+
+
+def test_eval_fraction_holds_out_more_distinct_problems_never_trained_on():
+    # Single-digit addition has 100 problems; the default split holds out about a tenth.
+    def held_out_ids(fraction):
+        return {
+            p.prompt_id for p in ArithmeticTask(1, ("+",), eval_fraction=fraction).eval_prompts(200)
+        }
+
+    small, large = held_out_ids(0.1), held_out_ids(0.3)
+    assert 5 <= len(small) <= 15
+    assert 25 <= len(large) <= 40
+    assert small < large  # a larger fraction holds out a superset
+    task = ArithmeticTask(1, ("+",), eval_fraction=0.3)
+    trained = {p.prompt_id for p in itertools.islice(task.train_prompts(), 3000)}
+    assert trained.isdisjoint(large)
+    assert len(trained) + len(large) == 100  # every problem is on exactly one side
+    # n = 3 x the held-out count: every held-out problem exactly 3 times
+    counts = Counter(p.prompt_id for p in task.eval_prompts(3 * len(large)))
+    assert set(counts.values()) == {3}
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.6])
+def test_eval_fraction_out_of_range_is_refused(fraction):
+    with pytest.raises(ConfigError, match="eval_fraction"):
+        parse_config("task: {name: arithmetic}", [f"task.eval_fraction={fraction}"])
 
 
 def test_arithmetic_difficulty_and_operations():
