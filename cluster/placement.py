@@ -81,11 +81,17 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
             "disk, and weight publishes will be slower (give the container a larger /dev/shm, "
             "e.g. docker --shm-size)", store >> 20,
         )  # fmt: skip
+    system: dict[str, Any] = {"preallocate_plasma_memory": prefault}
+    if prefault:
+        # The raylet connects to its store once the store is pre-faulted, and gives up after
+        # 10 one-second attempts: faulting 2.7 GB in took 9.4 s on a 2-core machine, so a
+        # run failed to start now and then. Allow 1 s per 100 MB on top.
+        system["raylet_client_num_connect_attempts"] = 10 + math.ceil(store / 100e6)
     ray.init(
         num_cpus=cpus,
         _node_ip_address="127.0.0.1",
         object_store_memory=store,
-        _system_config={"preallocate_plasma_memory": prefault},
+        _system_config=system,
         **kwargs,
     )
 
