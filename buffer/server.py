@@ -3,7 +3,8 @@
     with RedisServer(run_dir / "redis", persistence=True) as server:
         buffer = ReplayBuffer(server.url, run="demo")
 
-Started from PATH on a free loopback port with a random password; its config, data and log
+Started from PATH on a free port with a random password, bound to loopback and, when `host`
+is given (a node address, for a multi-node run), to that address too; its config, data and log
 live in `data_dir`. It is stopped on `stop()`, on leaving the `with` block (errors and Ctrl-C
 included), at interpreter exit, and, on Linux, by the kernel if this process dies without
 cleaning up (parent-death signal, tied to the thread that started it: start it from the main
@@ -74,7 +75,8 @@ def read_server_url(data_dir: str | Path) -> str:
 
 
 class RedisServer:
-    """A private redis-server process bound to 127.0.0.1 (see the module docstring)."""
+    """A private redis-server process bound to 127.0.0.1 and `host` (see the module
+    docstring); `url` names `host`."""
 
     def __init__(
         self,
@@ -85,8 +87,10 @@ class RedisServer:
         password: str | None = None,
         executable: str | None = None,
         start_timeout_s: float = 15.0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.data_dir = Path(data_dir).resolve()
+        self.host = host
         self.persistence = persistence
         self.port = port
         self.password = password or secrets.token_hex(16)
@@ -98,7 +102,7 @@ class RedisServer:
     def url(self) -> str:
         if self.port is None:
             raise RedisServerError("the server has not been started")
-        return f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -169,7 +173,7 @@ class RedisServer:
     def _launch(self, port: int) -> None:
         conf = self.data_dir / "redis.conf"
         lines = [
-            "bind 127.0.0.1",
+            " ".join(dict.fromkeys(["bind", "127.0.0.1", self.host])),
             f"port {port}",
             f"requirepass {self.password}",
             f"dir {self.data_dir}",

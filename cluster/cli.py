@@ -33,13 +33,14 @@ def _version() -> str:
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from staleflow.configs import ConfigError, dump_config, load_config
+    from staleflow.configs.loader import redact
 
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(dump_config(cfg))
+    print(redact(dump_config(cfg)))  # passwords masked, as in the run's config.json
     return 0
 
 

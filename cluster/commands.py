@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from staleflow.cluster.progress import Progress
     from staleflow.cluster.rundir import RunDir
     from staleflow.cluster.schedule import check_schedule
+    from staleflow.cluster.services import redis_url_from_env
     from staleflow.configs import ConfigError, load_config
 
     overrides = list(args.overrides)
@@ -60,7 +62,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_schedule(cfg)
-    except ConfigError as exc:
+        if (
+            cfg.buffer.redis_url is None
+            and redis_url_from_env() is None
+            and (args.address or "").startswith("ray://")
+        ):
+            raise ConfigError(
+                "with a Ray Client address (ray://...) the driver runs outside the cluster, "
+                "where an embedded Redis is out of the workers' reach: give "
+                "buffer.redis_url=redis://... or $STALEFLOW_REDIS_URL (a server every node "
+                "reaches), or run the driver on a node of the cluster with --address auto"
+            )
+    except (ConfigError, ValueError) as exc:
         return _fail(str(exc))
     run = RunDir(Path(cfg.run.output_dir) / name)
     if run.config.exists():
@@ -71,6 +84,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     handler = run.attach_log()
     logging.getLogger("staleflow").addHandler(_stderr_warnings())
     print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)
+    if args.address:  # on a cluster: say on which machine the outputs are
+        where = run.path.resolve()
+        print(
+            f"staleflow: on {socket.gethostname()} (the driver's node): run directory {where}, "
+            f"report {where / 'report.html'}, TensorBoard: tensorboard --logdir "
+            f"{where / 'tensorboard'}",
+            file=sys.stderr,
+        )
     from staleflow.actors.models import ModelError
     from staleflow.actors.tasks import TaskError
     from staleflow.buffer.connection import BufferConnectionError

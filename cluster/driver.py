@@ -413,6 +413,8 @@ class Driver:
         except Exception:
             logger.exception("could not checkpoint or reconcile the run")
             summary["status"] = status = "failed"
+        if self.services.placement is not None:
+            summary["placement"] = self.services.placement
         last = max(self.accuracy, default=None)
         summary.update(
             wall_s=time.time() - self.started,

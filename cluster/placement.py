@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
@@ -387,6 +389,8 @@ class LearnerGroup:
 
     cfg: Any
     ranks: list[Any] = field(default_factory=list)
+    group: Any = None  # the ranks' placement group
+    master: tuple[str, int] = ("", 0)  # where they rendezvous: rank 0's node and a free port
 
     publish_dir: str | None = None
     redis_url: str | None = None
@@ -399,18 +403,40 @@ class LearnerGroup:
         # the bottleneck of a CPU run, and the OS shares the cores with the workers). Its GPU
         # share is its own setting (learner.gpus_per_rank), whatever the workers take.
         threads = learner_threads(learner.num_ranks)
-        actor = ray.remote(LearnerRank).options(  # type: ignore[attr-defined]
-            num_cpus=1,
-            num_gpus=learner.gpus_per_rank,
-            runtime_env=_actor_env(threads, learner.gpus_per_rank),
+        # One bundle per rank in a placement group: packed on as few nodes as possible, or
+        # spread when asked; rank r lives in bundle r, and all meet on bundle 0's node.
+        bundle = {"CPU": 1.0, **({"GPU": learner.gpus_per_rank} if learner.gpus_per_rank else {})}
+        self.group = placement_group(
+            [dict(bundle) for _ in range(learner.num_ranks)],
+            strategy="PACK" if learner.placement == "pack" else "SPREAD",
+            name=f"staleflow-learner-{self.run_id or os.getpid()}",
         )
-        master = ("127.0.0.1", free_port("127.0.0.1"))
+        timeout = self.cfg.run.start_timeout_s
+        try:
+            host, port = ray.get(
+                _rendezvous.options(scheduling_strategy=self._in_bundle(0)).remote(),
+                timeout=timeout,
+            )
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            raise TimeoutError(
+                f"the learner's {learner.num_ranks} rank(s) ({bundle} each) were not placed "
+                f"within {timeout:g} s (run.start_timeout_s); the cluster has "
+                f"{ray.available_resources()} free of {ray.cluster_resources()}"
+            ) from None
+        self.master = (str(host), int(port))
+        actor = ray.remote(LearnerRank)  # type: ignore[attr-defined]
         self.ranks = [
-            actor.remote(
+            actor.options(
+                num_cpus=1,
+                num_gpus=learner.gpus_per_rank,
+                runtime_env=_actor_env(threads, learner.gpus_per_rank),
+                scheduling_strategy=self._in_bundle(rank),
+            ).remote(
                 self.cfg,
                 rank,
                 learner.num_ranks,
-                master,
+                self.master,
                 self.publish_dir,
                 self.redis_url,
                 self.run_id,
@@ -418,6 +444,11 @@ class LearnerGroup:
             )
             for rank in range(learner.num_ranks)
         ]
+
+    def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.group, placement_group_bundle_index=index
+        )
 
     def train(self, wait_s: float, publish: bool) -> list[Any]:
         """Start `LearnerRank.train` on every rank; returns the refs, rank 0's (the report)
@@ -444,6 +475,15 @@ class LearnerGroup:
         finally:
             for r in self.ranks:
                 ray.kill(r)
+            if self.group is not None:
+                remove_placement_group(self.group)
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    """Where the learner ranks meet: the address of the node this runs on (bundle 0's, rank
+    0's) and a port free there."""
+    return node_address(), free_port()
 
 
 def learner_threads(num_ranks: int) -> int:

@@ -9,7 +9,10 @@ from typing import Any
 
 from staleflow.configs.loader import redact
 
-__all__ = ["Services"]
+__all__ = ["REDIS_URL_ENV", "Services", "redis_url_from_env"]
+
+# A Redis URL with its password, kept out of config files and command lines (visible in `ps`).
+REDIS_URL_ENV = "STALEFLOW_REDIS_URL"
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,7 @@ class Services:
     pool: Any = None  # placement.WorkerPool
     sync: Any = None  # weights.WeightSync
     started_ray: bool = False
+    placement: dict[str, Any] | None = None  # which node each actor runs on (summary.json)
 
     def start(self) -> None:
         """Redis (embedded unless buffer.redis_url), an empty buffer for this run, Ray, the
@@ -36,19 +40,25 @@ class Services:
         from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
         from staleflow.cluster.resources import cluster_nodes, fit, run_requests
         from staleflow.cluster.weights import WeightSync
+        from staleflow.learner.sync_group import node_address
 
         cfg, run_id = self.cfg, self.rundir.path.name
-        url = cfg.buffer.redis_url
+        self.started_ray = not ray.is_initialized() and not self.address
+        start_ray(self.address, cfg)
+        fit(run_requests(cfg), cluster_nodes())  # refuse now rather than wait forever
+        url = cfg.buffer.redis_url or redis_url_from_env()
         if url is None:
-            server = RedisServer(redis_dir(self.rundir.path), persistence=cfg.buffer.persistence)
+            # On a cluster the workers and the learner may run on other nodes: the embedded
+            # server listens on this node's address too (password-protected, as always).
+            host = node_address() if self.address else "127.0.0.1"
+            server = RedisServer(
+                redis_dir(self.rundir.path), persistence=cfg.buffer.persistence, host=host
+            )
             self.redis = server.start()
             url = self.redis.url
         self.buffer = ReplayBuffer.from_config(cfg.buffer, url, run_id)
         logger.info("buffer: %s", redact(url))
         self.buffer.clear()  # a run name reused on a shared server starts from an empty buffer
-        self.started_ray = not ray.is_initialized() and not self.address
-        start_ray(self.address, cfg)
-        fit(run_requests(cfg), cluster_nodes())  # refuse now rather than wait forever
         publish_dir = cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
         trajectories = self.rundir.trajectories if cfg.run.record_trajectories else None
         self.learner = LearnerGroup(
@@ -64,6 +74,17 @@ class Services:
         self.sync = WeightSync(cfg, self.learner, self.pool)
         self.learner.ready(cfg.run.start_timeout_s)
         self.pool.ready(cfg.run.start_timeout_s)
+        self.placement = {
+            "learner_nodes": _nodes_of(self.learner.ranks),
+            "rendezvous": "{}:{}".format(*self.learner.master),
+            "worker_nodes": _nodes_of([slot.handle for slot in self.pool.slots]),
+            "driver_node": ray.get_runtime_context().get_node_id(),
+            "node_addresses": {
+                n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]
+            },
+            "redis": redact(url).rsplit("@", 1)[-1].split("/", 1)[0],
+        }
+        logger.info("placement: %s", self.placement)
         logger.info(
             "ray: %d rollout worker(s), %d learner rank(s)",
             len(self.pool.slots),
@@ -85,3 +106,31 @@ class Services:
                 stop()
             except Exception:
                 logger.exception("could not stop the %s", what)
+
+
+def _nodes_of(handles: list[Any]) -> list[str]:
+    """The Ray node id each actor runs on."""
+    import ray
+
+    return list(ray.get([h.__ray_call__.remote(_node_id) for h in handles]))
+
+
+def _node_id(_actor: Any) -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+def redis_url_from_env() -> str | None:
+    """$STALEFLOW_REDIS_URL when buffer.redis_url is not set; checked like the config key."""
+    import os
+
+    from staleflow.configs.schema import BufferConfig
+
+    url = os.environ.get(REDIS_URL_ENV) or None
+    if url is not None:
+        try:
+            BufferConfig(redis_url=url)
+        except ValueError as exc:
+            raise ValueError(f"${REDIS_URL_ENV}: {redact(str(exc))}") from None
+    return url

@@ -291,6 +291,12 @@ class LearnerConfig(Frozen):
         le=8,
         description="GPU share per learner rank (0: CPU; 0.5 shares one GPU with the workers).",
     )
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description="Where the ranks go on a multi-node cluster: 'pack' fills a node before "
+        "the next (ranks talk over NCCL within a node), 'spread' one rank per node as far as "
+        "possible. The ranks rendezvous on rank 0's node either way.",
+    )
     reference_model: bool = Field(
         False, description="Keep a frozen copy of the initial policy for loss.kl_coef."
     )

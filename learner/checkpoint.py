@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from staleflow.configs.loader import redact
+
 __all__ = ["FORMAT", "CheckpointError", "export_hf", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = 1
@@ -75,7 +77,7 @@ def save_checkpoint(
                 "python": [python_state[0], list(python_state[1]), python_state[2]],
                 "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
             },
-            "config": learner.cfg.model_dump(mode="json"),
+            "config": json.loads(redact(learner.cfg.model_dump_json())),  # no passwords
             "extra": extra or {},
         }
         (tmp / "trainer.json").write_text(json.dumps(trainer, default=_json_scalar))

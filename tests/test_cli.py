@@ -42,6 +42,35 @@ def test_config_prints_the_resolved_config_as_json():
     assert resolved["model"]["preset"] == "tiny"
 
 
+def test_config_masks_the_redis_password():
+    out = staleflow("config", "configs/tiny.yaml", "buffer.redis_url=redis://:hunter2@db:6379/0")
+    assert out.returncode == 0, out.stderr
+    assert "hunter2" not in out.stdout
+    assert json.loads(out.stdout)["buffer"]["redis_url"] == "redis://:***@db:6379/0"
+
+
+def test_a_bad_redis_url_in_the_environment_is_refused_without_echoing_it(tmp_path):
+    env = {"PATH": str(Path(sys.executable).parent), "STALEFLOW_REDIS_URL": "http://:hunter2@db"}
+    out = subprocess.run(
+        [EXE, "train", str(REPO / "configs/tiny.yaml"), f"run.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert out.returncode != 0
+    assert "$STALEFLOW_REDIS_URL" in out.stderr
+    assert "redis://" in out.stderr  # what to give instead
+    assert "hunter2" not in out.stderr + out.stdout
+    assert not any(tmp_path.iterdir())  # refused before a run directory was made
+
+
+def test_ray_client_address_without_a_reachable_redis_is_refused(tmp_path):
+    out = staleflow(
+        "train", "configs/tiny.yaml", "--address", "ray://head:10001", f"run.output_dir={tmp_path}"
+    )
+    assert out.returncode != 0
+    assert "buffer.redis_url" in out.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_config_error_exits_2_with_the_location():
     out = staleflow("config", "configs/tiny.yaml", "sync.offset=-1")
     assert out.returncode == 2

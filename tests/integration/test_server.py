@@ -53,6 +53,20 @@ def test_private_server_lifecycle(tmp_path):
     assert not record.exists()
 
 
+def test_a_server_for_other_nodes_listens_on_the_given_address_too(tmp_path):
+    from ray.util import get_node_ip_address
+
+    address = get_node_ip_address()  # the address Ray would give this node
+    if address.startswith("127."):
+        pytest.skip("this machine has no address besides loopback")
+    with RedisServer(tmp_path / "redis", host=address) as server:
+        assert f"@{address}:{server.port}/" in server.url  # what workers on other nodes get
+        assert redis.Redis.from_url(server.url).ping()
+        assert redis.Redis(host="127.0.0.1", port=server.port, password=server.password).ping()
+        with pytest.raises(redis.AuthenticationError):  # still password-protected
+            redis.Redis(host=address, port=server.port, retry=None).ping()
+
+
 def test_stopped_when_the_block_raises(tmp_path):
     server = RedisServer(tmp_path).start()
     pid = server.process.pid
