@@ -22,6 +22,7 @@ from staleflow.actors.engine import RolloutEngine, SamplingParams, WeightsUpdate
 from staleflow.actors.tasks import Prompt, Task, make_task
 from staleflow.buffer.records import FINISH_REASONS, Group, Response
 from staleflow.buffer.replay import ReplayBuffer
+from staleflow.learner.sync_group import node_address
 
 __all__ = [
     "BatchReport",
@@ -93,14 +94,16 @@ class RolloutWorker:
         self.cfg = cfg
         self.run_id = run_id
         self.worker_id = f"{run_id}-w{worker_index}"
+        if buffer is None and redis_url is not None:
+            buffer = ReplayBuffer.from_config(cfg.buffer, redis_url, run_id)
+            # before the model loads: an unreachable server fails the start, naming it
+            buffer.check_reachable(f"rollout worker {worker_index} on {node_address()}")
         if engine is None:
             engine, tokenizer = build_engine(cfg)
         if tokenizer is None:
             raise ValueError("an injected engine needs its tokenizer")
         self.engine, self.tokenizer = engine, tokenizer
         self.task = task if task is not None else make_task(cfg.task)
-        if buffer is None and redis_url is not None:
-            buffer = ReplayBuffer.from_config(cfg.buffer, redis_url, run_id)
         self.buffer = buffer
         self.seed = cfg.rollout.seed + worker_index
         self._batches = 0

@@ -259,6 +259,22 @@ class ReplayBuffer:
             self._held.discard(args[i])
         return acked
 
+    def check_reachable(self, who: str) -> None:
+        """Ping the server now, so that a process that cannot reach it fails at start with a
+        message naming itself and the address, rather than at its first push or take."""
+        try:
+            self._ping()
+        except BufferConnectionError as exc:
+            raise BufferConnectionError(
+                f"{who} cannot reach the replay buffer: {exc}. On a multi-node cluster the "
+                "server must listen on an address every node reaches: the embedded one does "
+                "when the run joins the cluster with --address; or set buffer.redis_url"
+            ) from None
+
+    @translate_errors
+    def _ping(self) -> None:
+        self.client.ping()
+
     @translate_errors
     def stats(self) -> BufferStats:
         """Counts for this run (cheap: a handful of O(1) commands and one memory estimate)."""

@@ -268,6 +268,7 @@ class LearnerRank:
         self.trajectories: TrajectoryLog | None = None
         if rank == 0 and redis_url is not None and run_id is not None:
             buffer = ReplayBuffer.from_config(cfg.buffer, redis_url, run_id)
+            buffer.check_reachable(f"learner rank 0 on {node_address()}")
             self.feed = BatchFeed(buffer, groups_per_step(cfg))
             if trajectories_dir is not None:
                 self.trajectories = TrajectoryLog(trajectories_dir)

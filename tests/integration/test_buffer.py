@@ -374,3 +374,19 @@ def test_large_realistic_group_round_trips_through_redis(redis_url):
     buffer = ReplayBuffer(redis_url, "run")
     buffer.push(big)
     assert take_all(buffer, 1, version=4)[0].groups == [big]
+
+
+def test_a_process_that_cannot_reach_the_server_fails_naming_itself_and_the_address():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    buffer = ReplayBuffer(f"redis://:hunter2@127.0.0.1:{port}/0", "run")
+    with pytest.raises(BufferConnectionError) as failed:
+        buffer.check_reachable("rollout worker 3 on 10.0.0.7")
+    message = str(failed.value)
+    assert "rollout worker 3 on 10.0.0.7 cannot reach" in message
+    assert f"127.0.0.1:{port}" in message
+    assert "buffer.redis_url" in message  # the fix
+    assert "hunter2" not in message

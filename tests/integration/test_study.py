@@ -218,7 +218,19 @@ def test_sweep_cli_lists_cells_and_refuses_a_bad_cell(tmp_path):
 
 
 def test_shipped_sweeps_load(tmp_path):
-    for path in sorted((REPO / "configs" / "sweeps").glob("*.yaml")):
-        sweep = load_sweep(path, output_dir=tmp_path)
-        assert len(sweep.cells) == 30, path  # 3 sync settings x 10 algorithms
+    from staleflow.cluster.schedule import check_schedule
+    from staleflow.configs import load_config
+
+    paper_grids = ("paper.yaml", "tiny.yaml")
+    for name in paper_grids:
+        sweep = load_sweep(REPO / "configs" / "sweeps" / name, output_dir=tmp_path)
+        assert len(sweep.cells) == 30, name  # 3 sync settings x 10 algorithms
         assert set(sweep.axes["sync"]) == {"sync_interval-20", "sync_offset-10", "offline"}
+    # the quickstart study: 2 schedules x 3 seeds, every cell a valid run
+    sweep = load_sweep(REPO / "configs/sweeps/quickstart-schedule.yaml", output_dir=tmp_path)
+    assert len(sweep.cells) == 6
+    assert set(sweep.axes["sync"]) == {"lockstep-on-policy", "async-lag-1"}
+    for cell in sweep.cells:
+        check_schedule(load_config(sweep.base, list(cell.overrides)))
+    shipped = {p.name for p in (REPO / "configs" / "sweeps").glob("*.yaml")}
+    assert shipped == {*paper_grids, "quickstart-schedule.yaml"}  # a new one gets a check here
