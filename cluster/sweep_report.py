@@ -166,15 +166,17 @@ def write_sweep_report(directory: str | Path) -> Path:
         for line in lines:
             if col_axis == line_axis and column != line:
                 continue  # one axis for both: its values are the rows
-            row = summarize(Curve(runs_of(column, line), "eval", "accuracy"), spec["threshold"])
-            reward = summarize(Curve(runs_of(column, line), "eval", "reward_mean"), math.inf)
+            runs = runs_of(column, line)
+            accuracy = Curve(runs, "eval", "accuracy")
+            row = summarize(accuracy, spec["threshold"])
+            if accuracy.runs and len(accuracy.steps):
+                row["final_low"] = float(accuracy.low[-1])
+                row["final_high"] = float(accuracy.high[-1])
+            reward = summarize(Curve(runs, "eval", "reward_mean"), math.inf)
             row.update({f"reward_{k}": reward.get(k) for k in ("initial", "final", "auc")})
             for name, key in (("kl_last", "approx_kl"), ("entropy_last", "entropy")):
-                tail = Curve(runs_of(column, line), "step", key).mean[-TAIL_STEPS:]
+                tail = Curve(runs, "step", key).mean[-TAIL_STEPS:]
                 row[name] = float(tail.mean()) if len(tail) else None
-            final = Curve(runs_of(column, line), "eval", "accuracy")
-            if final.runs and len(final.steps):
-                row["final_low"], row["final_high"] = float(final.low[-1]), float(final.high[-1])
             walls = [_wall_s(directory / "runs" / name) for name in cells_of(column, line)]
             known = [w for w in walls if w is not None]
             row["minutes"] = sum(known) / len(known) / 60 if known else None
