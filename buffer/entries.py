@@ -71,6 +71,7 @@ class BufferStats:
     stream_bytes: int  # Redis' estimate of the stream's memory
     pushed_by_version: dict[int, int] = field(default_factory=dict)
     trained_by_version: dict[int, int] = field(default_factory=dict)
+    held: int = 0  # pending, trained, acked at the next checkpoint (not counted in capacity)
 
 
 def parse_fields(fields: dict[bytes, bytes]) -> tuple[int, dict[bytes, bytes]]:

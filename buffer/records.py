@@ -24,6 +24,7 @@ __all__ = [
     "Group",
     "MetaValue",
     "Response",
+    "batch_group_id",
     "synthetic_groups",
 ]
 
@@ -80,7 +81,8 @@ class Group:
     """K >= 1 responses to one prompt, produced by one policy version (never mixed).
 
     run_id:           the run this group belongs to.
-    group_id:         uuid4 hex; the buffer deduplicates pushes by it.
+    group_id:         32 hex digits (uuid4, or `batch_group_id` for a driver's batch); the
+                      buffer deduplicates pushes by it.
     prompt_id:        stable id of the prompt within its task (held-out splits, replay).
     task:             task name, e.g. "arithmetic".
     prompt_token_ids: int32 [P], the prompt as the model saw it (chat template applied).
@@ -123,8 +125,10 @@ class Group:
         responses: Sequence[Response],
         policy_version: int,
         worker_id: str,
+        group_id: str | None = None,
     ) -> Group:
-        """A fresh group (new id, current time) from per-response parts, dtypes coerced."""
+        """A fresh group (a new id unless given, current time) from per-response parts, dtypes
+        coerced."""
         tokens = [np.asarray(r.token_ids, dtype=TOKEN_DTYPE) for r in responses]
         logps = [np.asarray(r.behavior_logp, dtype=LOGP_DTYPE) for r in responses]
         for i, (t, lp) in enumerate(zip(tokens, logps, strict=True)):
@@ -135,7 +139,7 @@ class Group:
                 )
         return cls(
             run_id=run_id,
-            group_id=uuid.uuid4().hex,
+            group_id=group_id or uuid.uuid4().hex,
             prompt_id=prompt_id,
             task=task,
             prompt_token_ids=np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE),
@@ -233,3 +237,12 @@ def synthetic_groups(
             )
         )
     return groups
+
+
+def batch_group_id(run_id: str, batch: int, index: int) -> str:
+    """The id of the group for prompt `index` of rollout batch `batch` of a run: the same
+    every time that batch is generated, so a batch redone after a worker died or a run resumed
+    pushes no group twice (the buffer drops a repeated id as a duplicate)."""
+    import hashlib
+
+    return hashlib.blake2b(f"{run_id}/{batch}/{index}".encode(), digest_size=16).hexdigest()

@@ -244,20 +244,56 @@ class ReplayBuffer:
         return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid)
 
     @translate_errors
-    def ack(self, receipts: Iterable[Receipt]) -> int:
+    def ack(self, receipts: Iterable[Receipt], held: bool = False) -> int:
         """Acknowledge groups whose training step is committed; returns how many were pending.
 
         In `replay` mode a group stays for reuse until it has been acked `max_reuse` times.
+        `held`: the groups were counted by `hold` (the count drops by the number acked).
         """
-        args: list[Any] = [GROUP_NAME, self.max_reuse]
+        args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
         for r in receipts:
             args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
-        if len(args) == 2:
+        if len(args) == 3:
             return 0
         acked = int(self._ack(keys=[*self._entry_keys, self.trained_by_version_key], args=args))
-        for i in range(2, len(args), 3):
+        for i in range(3, len(args), 3):
             self._held.discard(args[i])
         return acked
+
+    @translate_errors
+    def hold(self, n: int) -> None:
+        """`n` taken groups are trained but stay pending until a checkpoint makes the step
+        durable (then `ack(..., held=True)`): they stop counting against the capacity, and a
+        learner restarted from the checkpoint gets them again (`recover`)."""
+        if n > 0:
+            self.client.hincrby(self.stats_key, "held", n)
+
+    @translate_errors
+    def recover(self) -> int:
+        """After a learner restart: every entry delivered and not acked (to any consumer,
+        this one included) is handed out again, oldest first, before anything new; replays
+        in flight become replayable. Returns how many entries were recovered."""
+        self._ensure_group()
+        self._pool.clear()
+        self._held.clear()
+        start, count = "0-0", 0
+        while True:
+            start, claimed, *_ = self.client.xautoclaim(
+                self.stream_key, GROUP_NAME, self.consumer, 0, start_id=start, count=256
+            )
+            for entry_id, fields in claimed:
+                if fields:  # deleted entries come back empty
+                    self._pool[text(entry_id)] = parse_fields(fields)
+                    count += 1
+            if text(start) == "0-0":
+                break
+        if self.sampling == "replay":
+            self._replay_reclaim(
+                keys=[self.replay_key, self.replay_pending_key, self.uses_key], args=[now_ms(), 0]
+            )
+        self.client.hset(self.stats_key, "held", 0)
+        self._last_claim = time.monotonic()
+        return count
 
     def check_reachable(self, who: str) -> None:
         """Ping the server now, so that a process that cannot reach it fails at start with a
@@ -311,6 +347,7 @@ class ReplayBuffer:
             reused=c.get("reused", 0),
             dropped_stale=c.get("dropped_stale", 0),
             dropped_invalid=c.get("dropped_invalid", 0),
+            held=c.get("held", 0),
             bytes_pushed=c.get("bytes_pushed", 0),
             stream_bytes=int(mem or 0),
             pushed_by_version=int_map(pushed_v),

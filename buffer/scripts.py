@@ -12,6 +12,7 @@ from __future__ import annotations
 # MULTI/EXEC of native XADDs that also flips each reservation to "added".
 #
 # KEYS: stream, stats, then one dedup key per group.  ARGV: capacity, reserve ttl, token.
+# Capacity counts the stored entries less those trained and held until a checkpoint ('held').
 # Returns one status per group (0 new: reserved for this token, 1 already added), or {-1} if
 # another push of one of these ids is in flight, or {-2} if the groups do not fit.
 RESERVE = """
@@ -29,7 +30,8 @@ for i = 1, n do
     status[i] = 1
   end
 end
-if new > 0 and redis.call('XLEN', KEYS[1]) + new > tonumber(ARGV[1]) then return {-2} end
+local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
+if new > 0 and redis.call('XLEN', KEYS[1]) - held + new > tonumber(ARGV[1]) then return {-2} end
 for i = 1, n do
   if status[i] == 0 then redis.call('SET', KEYS[i + 2], ARGV[3], 'EX', ARGV[2]) end
 end
@@ -49,13 +51,14 @@ end
 """
 
 # KEYS: stream, stats, uses, replay zset, replay-pending hash, trained-by-version.
-# ARGV: group name, max_reuse, then (entry id, version, is_replay) triples.
+# ARGV: group name, max_reuse, held ('1': these were counted in 'held', which drops by the
+# number acked), then (entry id, version, is_replay) triples.
 # Only an ack of something actually pending counts, so acking twice is harmless.
 ACK = (
     _RELEASE
     + """
 local acked = 0
-for i = 3, #ARGV, 3 do
+for i = 4, #ARGV, 3 do
   local id, v, rep = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if release(id, rep) == 1 then
     acked = acked + 1
@@ -72,6 +75,10 @@ for i = 3, #ARGV, 3 do
   end
 end
 redis.call('HINCRBY', KEYS[2], 'acked', acked)
+if ARGV[3] == '1' and acked > 0 then
+  local held = redis.call('HINCRBY', KEYS[2], 'held', -acked)
+  if held < 0 then redis.call('HSET', KEYS[2], 'held', 0) end
+end
 return acked
 """
 )

@@ -6,6 +6,8 @@ group data) and acks them once the step that used them is committed.
     feed.prefetch(version + 1, wait_s)   # the next batch is read and decoded while this step runs
     ... train on batch.groups ...
     feed.ack(batch)                      # after the optimizer step: the groups are trained
+    # or, with checkpoints: feed.hold(batch) after the step, feed.commit() once a checkpoint
+    # holds the step (a learner restarted from that checkpoint gets held groups again)
 
 Only learner rank 0 has a feed; the other ranks receive the same groups from it
 (docs/architecture.md, "The data path"). Groups taken but not yet acked stay pending in Redis
@@ -41,6 +43,7 @@ class BatchFeed:
     buffer: ReplayBuffer
     size: int
     staged: list[Taken] = field(default_factory=list)
+    held: list[Receipt] = field(default_factory=list)  # trained, acked at the next commit
     dropped_stale: int = 0  # since the last `drops()`
     dropped_invalid: int = 0
     _next: Future[float] | None = None
@@ -95,6 +98,16 @@ class BatchFeed:
     def ack(self, batch: Batch) -> int:
         """Ack a trained batch; returns how many of its groups were pending (all of them)."""
         return self.buffer.ack(batch.receipts)
+
+    def hold(self, batch: Batch) -> None:
+        """The batch is trained: ack it with the next `commit` (a checkpoint made it durable)."""
+        self.buffer.hold(len(batch.receipts))
+        self.held.extend(batch.receipts)
+
+    def commit(self) -> int:
+        """Ack every held group (their steps are in a checkpoint now); returns how many."""
+        held, self.held = self.held, []
+        return self.buffer.ack(held, held=True)
 
     def drops(self) -> tuple[int, int]:
         """(stale, invalid) dropped since the last call."""
