@@ -4,7 +4,8 @@ A checkpoint is a directory, written under a temporary name and renamed into pla
 leaves the previous checkpoint intact, never half a new one):
 
     model.safetensors      the policy's weights
-    optimizer.safetensors  every tensor of the optimizer state, keyed by its path
+    optimizer.safetensors  every tensor of the optimizer state, keyed by its path (ZeRO 1-3 on
+                           several ranks: optimizer-rank<r>.safetensors / .json per rank)
     rng.safetensors        torch's CPU generator state
     trainer.json           format, step, scheduler, python/numpy RNG states, the non-tensor
                            optimizer state, the run config, and caller data (`extra`, e.g.
@@ -16,9 +17,10 @@ raises `CheckpointError` naming the file and the problem. Only JSON and safetens
 Optimizer state is stored as its tensors plus a JSON skeleton. Leaves that are neither (ZeRO's
 loss scaler, enums, layout tuples) are configuration, not training state: the skeleton marks
 them opaque and loading takes them from the live optimizer, which must have the same type there.
-Supported: ZeRO 0 with any number of ranks, ZeRO 1-3 with one rank (ZeRO 3 gathers the
-parameters around saving and loading). ZeRO 1-3 over several ranks, one optimizer partition per
-rank, are refused with a clear error for now.
+ZeRO 0 with any number of ranks: rank 0 writes everything (every rank holds the same state).
+ZeRO 1-3 over several ranks: each rank writes its own optimizer partition
+(`optimizer-rank<r>.safetensors` + `.json`), and a resume needs the same number of ranks;
+ZeRO 3 gathers the parameters around saving and loading.
 """
 
 from __future__ import annotations
@@ -48,59 +50,84 @@ class CheckpointError(RuntimeError):
 def save_checkpoint(
     learner: Any, path: str | os.PathLike[str], extra: dict[str, Any] | None = None
 ) -> Path:
-    """Write the learner's full training state to the directory `path` (atomically)."""
+    """Write the learner's full training state to the directory `path` (atomically).
+
+    With several ranks every rank calls this at once (the directory must be on storage all
+    ranks share): ZeRO 3 gathers the parameters, and with ZeRO 1-3 each rank writes its own
+    optimizer partition (`optimizer-rank<r>.*`); rank 0 writes the rest and renames."""
     from safetensors.torch import save_file
 
-    _check_supported(learner)
+    rank, world = _rank(learner)
+    sharded = learner.cfg.learner.zero_stage > 0 and world > 1
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = path.parent / f".{path.name}.tmp"  # one name every rank agrees on
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
+        tmp.mkdir()
+    _barrier(world)
     try:
-        with _gathered(learner, modify=False):
-            model = {k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()}
-        save_file(_untie(model), tmp / "model.safetensors")
-        tensors, skeleton = _flatten(learner.optimizer.state_dict())
-        save_file(tensors, tmp / "optimizer.safetensors")
-        save_file({"torch_cpu": torch.get_rng_state()}, tmp / "rng.safetensors")
-        python_state = random.getstate()
-        # the legacy global numpy state is what code calling np.random.* uses
-        numpy_state: Any = np.random.get_state()  # noqa: NPY002
-        trainer = {
-            "format": FORMAT,
-            "zero_stage": learner.cfg.learner.zero_stage,
-            "steps": learner.version,  # batches trained: the policy version
-            "optimizer_steps": learner.optimizer_steps,
-            "scheduler": learner.scheduler.state_dict(),
-            "optimizer": skeleton,
-            "rng": {
-                "python": [python_state[0], list(python_state[1]), python_state[2]],
-                "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
-            },
-            "config": json.loads(redact(learner.cfg.model_dump_json())),  # no passwords
-            "extra": extra or {},
-        }
-        (tmp / "trainer.json").write_text(json.dumps(trainer, default=_json_scalar))
-        for f in tmp.iterdir():
-            with open(f, "rb") as handle:
-                os.fsync(handle.fileno())
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
+        with _gathered(learner, modify=False):  # a collective under ZeRO 3: every rank
+            model = (
+                {k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()}
+                if rank == 0
+                else {}
+            )
+        skeleton: Any = None
+        if sharded:
+            tensors, shard = _flatten(learner.optimizer.state_dict())
+            save_file(tensors, tmp / f"optimizer-rank{rank}.safetensors")
+            (tmp / f"optimizer-rank{rank}.json").write_text(json.dumps(shard))
+        elif rank == 0:  # ZeRO 0: every rank holds the same state
+            tensors, skeleton = _flatten(learner.optimizer.state_dict())
+            save_file(tensors, tmp / "optimizer.safetensors")
+        _barrier(world)
+        if rank == 0:
+            save_file(_untie(model), tmp / "model.safetensors")
+            save_file({"torch_cpu": torch.get_rng_state()}, tmp / "rng.safetensors")
+            python_state = random.getstate()
+            # the legacy global numpy state is what code calling np.random.* uses
+            numpy_state: Any = np.random.get_state()  # noqa: NPY002
+            trainer = {
+                "format": FORMAT,
+                "zero_stage": learner.cfg.learner.zero_stage,
+                "world_size": world,
+                "sharded": sharded,
+                "steps": learner.version,  # batches trained: the policy version
+                "optimizer_steps": learner.optimizer_steps,
+                "scheduler": learner.scheduler.state_dict(),
+                "optimizer": skeleton,
+                "rng": {
+                    "python": [python_state[0], list(python_state[1]), python_state[2]],
+                    "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+                },
+                "config": json.loads(redact(learner.cfg.model_dump_json())),  # no passwords
+                "extra": extra or {},
+            }
+            (tmp / "trainer.json").write_text(json.dumps(trainer, default=_json_scalar))
+            for f in tmp.iterdir():
+                with open(f, "rb") as handle:
+                    os.fsync(handle.fileno())
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+                path.rename(old)
+                tmp.rename(path)
+                shutil.rmtree(old)
+            else:
+                tmp.rename(path)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _barrier(world)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
 def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Restore a learner saved by `save_checkpoint`; returns its `extra` data."""
+    """Restore a learner saved by `save_checkpoint` (every rank calls it, with the world size
+    it was written with if it is sharded); returns its `extra` data."""
     from safetensors.torch import load_file
 
-    _check_supported(learner)
+    rank, world = _rank(learner)
     path = Path(path)
     trainer = _read_json(path / "trainer.json")
     if trainer.get("format") != FORMAT:
@@ -112,6 +139,14 @@ def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any
         raise CheckpointError(
             f"{path}: incompatible: written at ZeRO stage {trainer.get('zero_stage')}, this "
             f"learner runs stage {stage} (optimizer states differ between stages)"
+        )
+    sharded = stage > 0 and world > 1
+    if bool(trainer.get("sharded")) != sharded or (sharded and trainer["world_size"] != world):
+        raise CheckpointError(
+            f"{path}: incompatible: written by {trainer.get('world_size', 1)} learner rank(s) "
+            f"at ZeRO stage {stage}, this learner has {world}; resume with "
+            f"learner.num_ranks={trainer.get('world_size', 1)} (each rank holds its own "
+            "optimizer partition)"
         )
     model = _read_safetensors(path / "model.safetensors", load_file)
     with _gathered(learner, modify=False):  # full shapes, also under ZeRO 3
@@ -129,20 +164,22 @@ def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any
     unknown = sorted(set(model) - set(shapes))
     if unknown:
         raise CheckpointError(f"{path}: incompatible: unknown parameters {unknown[:5]}")
-    optimizer = _unflatten(
-        trainer["optimizer"],
-        _read_safetensors(path / "optimizer.safetensors", load_file),
-        learner.optimizer.state_dict(),
-    )
+    if sharded:
+        skeleton = _read_json(path / f"optimizer-rank{rank}.json")
+        tensors = _read_safetensors(path / f"optimizer-rank{rank}.safetensors", load_file)
+    else:
+        skeleton = trainer["optimizer"]
+        tensors = _read_safetensors(path / "optimizer.safetensors", load_file)
+    optimizer = _unflatten(skeleton, tensors, learner.optimizer.state_dict())
     rng = _read_safetensors(path / "rng.safetensors", load_file)
     try:
         with _gathered(learner, modify=True):
             learner.model.load_state_dict(model, strict=False)
         if learner.cfg.learner.zero_stage == 0:
             learner.optimizer.load_state_dict(optimizer)
-        else:  # DeepSpeed's ZeRO optimizers take one state per rank and own fp32 copies
+        else:  # DeepSpeed's ZeRO optimizers take a list indexed by rank (each reads its own)
             learner.optimizer.load_state_dict(
-                [optimizer], load_optimizer_states=True, load_from_fp32_weights=True
+                [optimizer] * world, load_optimizer_states=True, load_from_fp32_weights=True
             )
         learner.scheduler.load_state_dict(trainer["scheduler"])
         python_state = trainer["rng"]["python"]
@@ -183,13 +220,15 @@ def _gathered(learner: Any, modify: bool) -> Any:
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if modify else None)
 
 
-def _check_supported(learner: Any) -> None:
-    stage, ranks = learner.cfg.learner.zero_stage, getattr(learner, "world_size", 1)
-    if stage > 0 and ranks > 1:
-        raise CheckpointError(
-            f"checkpoints support ZeRO 0 on any number of ranks and ZeRO 1-3 on one rank for "
-            f"now (learner.zero_stage is {stage}, {ranks} ranks); export_hf works at any stage"
-        )
+def _rank(learner: Any) -> tuple[int, int]:
+    return int(getattr(learner, "rank", 0)), int(getattr(learner, "world_size", 1))
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def _untie(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

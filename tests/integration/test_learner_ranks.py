@@ -61,3 +61,62 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
     weights = np.load(tmp_path / "weights.npz")
     for name, array in single.state_dict_for_sync().items():
         np.testing.assert_allclose(weights[name], array, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def _sharded_rank(rank: int, port: int, stage: int, data: list, out_dir: str) -> None:
+    """Two steps, a checkpoint (every rank writes its optimizer partition), two more steps;
+    then a learner built from other weights loads the checkpoint and takes the same two."""
+    import os
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    from staleflow.actors.models import tiny_model
+    from staleflow.learner.learner import Learner
+
+    cfg = parse_config(CFG.replace("learner: {", f"learner: {{zero_stage: {stage}, "))
+
+    def learner(seed: int) -> Learner:
+        model, tokenizer = tiny_model(seed)
+        return Learner(cfg, model=model, tokenizer=tokenizer, rank=rank, world_size=2)
+
+    first = learner(0)
+    for groups in data[:2]:
+        first.step(groups)
+    first.save(f"{out_dir}/ckpt")
+    straight = [first.step(groups)["loss"] for groups in data[2:]]
+    resumed = learner(7)  # other initial weights: everything must come from the checkpoint
+    resumed.load(f"{out_dir}/ckpt")
+    version = resumed.version
+    again = [resumed.step(groups)["loss"] for groups in data[2:]]
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"straight": straight, "resumed": again, "version": version}, f)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage):
+    data = [sampled_groups(behaviour_seed=s, n=2) for s in (1, 2, 3, 4)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_sharded_rank, args=(r, port, stage, data, str(tmp_path)))
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "optimizer-rank0.safetensors" in files
+    assert "optimizer-rank1.safetensors" in files
+    trainer = json.loads((tmp_path / "ckpt/trainer.json").read_text())
+    assert trainer["world_size"] == 2
+    assert trainer["sharded"] is True
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["version"] == 2
+        assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6, abs=1e-9)
