@@ -62,6 +62,7 @@ class Score:
     reward: float
     parsed: bool
     extracted: str | None = None
+    error: str | None = None  # the reward function raised: its traceback (reward is 0)
 
 
 class Task(Protocol):
@@ -408,10 +409,12 @@ class CustomTask:
     def score(self, prompt: Prompt, response: str) -> Score:
         try:
             reward = float(self.reward_fn(dict(prompt.metadata), response))
-        except Exception:  # the user's function choking on odd text counts as a failed parse
-            return Score(0.0, parsed=False)
+        except Exception:  # a reward error, not a failed parse: the worker counts and logs it
+            import traceback
+
+            return Score(0.0, parsed=False, error=traceback.format_exc(limit=-3))
         if not math.isfinite(reward):
-            return Score(0.0, parsed=False)
+            return Score(0.0, parsed=False, error=f"the reward function returned {reward}")
         return Score(reward, parsed=True)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -20,17 +21,20 @@ from typing import Any
 
 from staleflow.actors.engine import RolloutEngine, SamplingParams, WeightsUpdate
 from staleflow.actors.tasks import Prompt, Task, make_task
-from staleflow.buffer.records import FINISH_REASONS, Group, Response
+from staleflow.buffer.records import FINISH_REASONS, Group, Response, batch_group_id
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.learner.sync_group import node_address
 
 __all__ = [
     "BatchReport",
     "EvalReport",
+    "RewardError",
     "RolloutWorker",
     "VersionMismatchError",
     "WeightLoadError",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class VersionMismatchError(RuntimeError):
@@ -57,6 +61,12 @@ class BatchReport:
     parse_failures: int
     pushed: int
     load_s: float = 0.0  # loading new weights at this batch's boundary
+    reward_errors: int = 0  # responses whose reward function raised (scored 0)
+
+
+class RewardError(RuntimeError):
+    """The task's reward function raised for more of a batch than task.max_reward_errors
+    allows: the run stops (redoing the batch would fail the same way)."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,7 @@ class RolloutWorker:
         self.buffer = buffer
         self.seed = cfg.rollout.seed + worker_index
         self._batches = 0
+        self._first_reward_error: str | None = None
         # Workers share the task's prompt stream but each starts at its own offset, so two
         # workers do not sample the same prompts in lock step.
         self._prompts = itertools.islice(self.task.train_prompts(), worker_index * 7919, None)
@@ -165,9 +176,12 @@ class RolloutWorker:
         policy_version: int,
         prompts: Sequence[Prompt] | None = None,
         weights: Any = None,
+        ids: tuple[int, int] | None = None,
     ) -> BatchReport:
         """One rollout batch at `policy_version`: the loaded one, or `weights` (a published
-        handle) loaded first, so a failed load fails this batch with its own error."""
+        handle) loaded first, so a failed load fails this batch with its own error. `ids`
+        (driver batch number, index of the first prompt in it) makes the group ids those of
+        `batch_group_id`, so a batch done again pushes nothing twice."""
         loading = time.perf_counter()
         self._ensure(weights)
         load_s = time.perf_counter() - loading
@@ -186,12 +200,18 @@ class RolloutWorker:
         start = time.perf_counter()
         completions = self.engine.generate(encoded, rollout.group_size, sampling)
         generate_s = time.perf_counter() - start
-        groups, rewards, failures = [], [], 0
-        for prompt, ids, samples in zip(prompts, encoded, completions, strict=True):
+        groups, rewards, failures, errors = [], [], 0, 0
+        for i, (prompt, tokens, samples) in enumerate(
+            zip(prompts, encoded, completions, strict=True)
+        ):
             responses = []
             for c in samples:
                 score = self.task.score(prompt, c.text)
-                failures += not score.parsed
+                if score.error is not None:
+                    errors += 1
+                    self._reward_error(score.error, prompt)
+                else:
+                    failures += not score.parsed
                 rewards.append(score.reward)
                 responses.append(
                     Response(
@@ -209,11 +229,19 @@ class RolloutWorker:
                     run_id=self.run_id,
                     prompt_id=prompt.prompt_id,
                     task=self.task.name,
-                    prompt_token_ids=ids,
+                    prompt_token_ids=tokens,
                     responses=responses,
                     policy_version=policy_version,
                     worker_id=self.worker_id,
+                    group_id=batch_group_id(self.run_id, ids[0], ids[1] + i) if ids else None,
                 )
+            )
+        limit = self.cfg.task.max_reward_errors
+        if errors and errors > limit * len(rewards):
+            raise RewardError(
+                f"{self.worker_id}: the reward function raised for {errors} of {len(rewards)} "
+                f"responses (task.max_reward_errors={limit:g}); the first error:\n"
+                f"{self._first_reward_error}"
             )
         pushed = sum(self.buffer.push_many(groups)) if self.buffer is not None else 0
         tokens = sum(g.num_tokens for g in groups)
@@ -230,7 +258,17 @@ class RolloutWorker:
             parse_failures=failures,
             pushed=pushed,
             load_s=load_s,
+            reward_errors=errors,
         )
+
+    def _reward_error(self, error: str, prompt: Prompt) -> None:
+        """Count a reward function's exception; log its traceback the first time."""
+        if self._first_reward_error is None:
+            self._first_reward_error = f"prompt {prompt.prompt_id}: {error}"
+            logger.error(
+                "%s: the reward function raised (scored 0, counted as a reward error; logged "
+                "once): %s", self.worker_id, self._first_reward_error,
+            )  # fmt: skip
 
     def evaluate(
         self, n_prompts: int | None = None, temperature: float | None = None, weights: Any = None
