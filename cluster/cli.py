@@ -5,6 +5,7 @@
     staleflow losses [NAME]                            list loss presets and their defaults
     staleflow buffer stats (--redis-url URL | --run-dir DIR) --run RUN [--json]
     staleflow train CONFIG [section.key=value ...] [--workers N] [--address ADDR]
+    staleflow train --resume RUN_DIR [run.steps=N ...]
     staleflow eval (RUN_DIR | MODEL_DIR) [--task NAME] [--prompts N] [--temperature T]
     staleflow report RUN_DIR
     staleflow scale RUN_DIR --workers N
@@ -155,13 +156,24 @@ def _add_run_commands(sub: Any) -> None:
         epilog=config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
+    train.add_argument(
+        "config",
+        nargs="?",
+        help="YAML run config, e.g. configs/quickstart.yaml (not with --resume)",
+    )
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10")
     train.add_argument("--workers", type=int, help="rollout workers (rollout.num_workers)")
     train.add_argument(
         "--address",
         help="join an existing Ray cluster: 'auto' or ray://host:10001 (default: start a "
         "local one)",
+    )
+    train.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped, crashed or killed run from its last checkpoint (its buffer, "
+        "schedule and curves too); overrides may lengthen it (run.steps=...) or change "
+        "rollout.num_workers and where the buffer is",
     )
     train.set_defaults(func=_lazy("cmd_train"))
 

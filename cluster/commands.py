@@ -49,6 +49,7 @@ def _fail(message: str) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.progress import Progress
+    from staleflow.cluster.resume import ResumeError
     from staleflow.cluster.rundir import RunDir
     from staleflow.cluster.schedule import check_schedule
     from staleflow.cluster.services import redis_url_from_env
@@ -57,10 +58,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"rollout.num_workers={args.workers}")
+    resume = getattr(args, "resume", None)
     try:
-        cfg = load_config(args.config, overrides)
-        name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+        if resume:
+            cfg, name = _resumed_config(resume, args.config, overrides)
+        elif args.config is None:
+            raise ConfigError(
+                "give a run config (e.g. configs/quickstart.yaml) or --resume RUN_DIR"
+            )
+        else:
+            cfg = load_config(args.config, overrides)
+            name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_schedule(cfg)
         if (
             cfg.buffer.redis_url is None
@@ -73,14 +82,18 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "buffer.redis_url=redis://... or $STALEFLOW_REDIS_URL (a server every node "
                 "reaches), or run the driver on a node of the cluster with --address auto"
             )
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, ResumeError) as exc:
         return _fail(str(exc))
-    run = RunDir(Path(cfg.run.output_dir) / name)
-    if run.config.exists():
-        return _fail(
-            f"{run.path} already holds a run; choose another run.name=... or remove the directory"
-        )
-    run = RunDir.create(cfg.run.output_dir, name)
+    if resume:
+        run = RunDir(resume)
+    else:
+        run = RunDir(Path(cfg.run.output_dir) / name)
+        if run.config.exists():
+            return _fail(
+                f"{run.path} already holds a run; choose another run.name=..., remove the "
+                f"directory, or continue it: staleflow train --resume {run.path}"
+            )
+        run = RunDir.create(cfg.run.output_dir, name)
     handler = run.attach_log()
     logging.getLogger("staleflow").addHandler(_stderr_warnings())
     print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)
@@ -99,9 +112,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     try:
         summary = Driver(
-            cfg, run, address=args.address, progress=Progress(name, cfg.run.log_every)
+            cfg,
+            run,
+            address=args.address,
+            progress=Progress(name, cfg.run.log_every),
+            resume=bool(resume),
         ).run()
-    except (ModelError, TaskError, BufferConnectionError, RedisServerError) as exc:
+    except (ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError) as exc:
         return _fail(f"{exc} (run directory: {run.path})")
     finally:
         logging.getLogger().removeHandler(handler)
@@ -109,6 +126,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     return (
         0 if summary["status"] == "completed" else 130 if summary["status"] == "interrupted" else 1
     )
+
+
+def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> tuple[Any, str]:
+    """The config a run was started with (config.json in its directory), with the overrides a
+    resume may make. The stored config has its Redis password masked: an external server's
+    URL must come again, from $STALEFLOW_REDIS_URL or buffer.redis_url=..."""
+    from staleflow.cluster.resume import ResumeError, resume_overrides_allowed
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import ConfigError, load_config
+
+    if config is not None:
+        if "=" not in config:
+            raise ConfigError(
+                f"--resume takes the run's own config (from {run_dir}); drop {config!r}"
+            )
+        overrides = [config, *overrides]
+    run = RunDir(run_dir)
+    if not run.config.is_file():
+        raise ResumeError(
+            f"{run_dir} is not a staleflow run directory (no config.json); pass the directory "
+            "`staleflow train` printed, e.g. runs/<name>"
+        )
+    resume_overrides_allowed(overrides)
+    cfg = load_config(str(run.config), overrides)
+    url = cfg.buffer.redis_url
+    if (
+        url is not None
+        and "***@" in url
+        and not any(o.startswith("buffer.redis_url=") for o in overrides)
+    ):
+        from staleflow.cluster.services import redis_url_from_env
+
+        env = redis_url_from_env()
+        if env is None:
+            raise ResumeError(
+                "the run used an external Redis whose password is not stored; give its URL "
+                "again in $STALEFLOW_REDIS_URL (or buffer.redis_url=...)"
+            )
+        cfg = cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"redis_url": env})})
+    return cfg, str(cfg.run.name or run.path.name)
 
 
 def _stderr_warnings() -> logging.Handler:
@@ -136,6 +193,8 @@ def _print_summary(run: Any, summary: dict[str, Any]) -> None:
             f"{groups['left_in_buffer']} ({'reconciled' if groups['reconciled'] else 'MISMATCH'})"
         )
     lines.append(f"report: {run.report}")
+    if summary.get("resume"):
+        lines.append(f"resume: {summary['resume']}")
     print("\n".join(lines))
 
 

@@ -6,6 +6,12 @@ version each rollout batch uses (cluster.schedule), when the learner steps and p
 when to evaluate and checkpoint; it hears back counts and timings. Every pushed group ends up
 trained, dropped (stale or invalid) or left in the buffer at the stop; `summary.json`
 reconciles the driver's counts with the buffer's (cluster.ledger).
+
+Faults (docs/architecture.md, "Faults and resume"): a rollout worker that dies, hangs
+(rollout.batch_timeout_s) or whose engine fails is replaced and its part of the batch redone
+(group ids are fixed per batch and prompt, so nothing is pushed twice); an embedded Redis that
+dies is restarted from its append-only file; a learner rank that dies stops the run with the
+command that resumes it from its last checkpoint (`train --resume`, which `Resume` restores).
 """
 
 from __future__ import annotations
@@ -20,18 +26,45 @@ from typing import Any
 import numpy as np
 
 from staleflow.cluster.ledger import Counts, Timeline, reconcile
+from staleflow.cluster.resume import (
+    Resume,
+    ResumeError,
+    load_resume,
+    republish,
+    versions_in_use,
+)
 from staleflow.cluster.rundir import MetricsWriter, write_json
 from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule, lag
 from staleflow.cluster.services import Services
 from staleflow.configs.loader import dump_config, redact
 
-__all__ = ["Driver", "ScheduleError", "check_schedule"]
+__all__ = ["Driver", "LearnerFailed", "ScheduleError", "check_schedule"]
 
 logger = logging.getLogger(__name__)
 
 # Seconds one learner call waits for its batch before it returns short and is made again.
 # A lock-step call made after its batch was complete that comes back short is an error.
 LEARNER_WAIT_S, COMPLETE_BATCH_WAIT_S = 2.0, 30.0
+
+
+class LearnerFailed(RuntimeError):
+    """A learner rank died or raised: the ranks share one process group, so the run stops
+    (its last checkpoint and the groups held since are what `train --resume` continues from)."""
+
+
+@dataclass
+class Shard:
+    """One worker's part of a rollout batch: what redoing it on another worker needs."""
+
+    slot: Any
+    batch: int
+    version: int
+    prompts: list[Any]
+    first: int  # index of its first prompt in the batch (fixes the groups' ids)
+    attempts: int = 1
+    started: float = field(default_factory=time.monotonic)
+    failed_at: float | None = None  # when its last worker failed (recovery time)
+    hung: bool = False
 
 
 @dataclass
@@ -43,6 +76,7 @@ class Driver:
     address: str | None = None
     progress: Any = None  # cluster.progress.Progress or None
     counts: Counts = field(default_factory=Counts)
+    resume: bool = False  # continue the run in `rundir` from its last checkpoint
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.cfg)
@@ -50,7 +84,7 @@ class Driver:
         self.run_id = self.rundir.path.name
         self.P = self.cfg.rollout.prompts_per_batch
         self.published: dict[int, Any] = {}  # version -> handle workers load
-        self.shards: dict[Any, tuple[Any, int]] = {}  # batch ref -> (slot, batch number)
+        self.shards: dict[Any, Shard] = {}  # batch ref -> the shard it runs
         self.open_shards: dict[int, int] = {}
         self.learning: list[Any] | None = None  # refs of the learner call in flight
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
@@ -63,6 +97,12 @@ class Driver:
         self.services = Services(self.cfg, self.rundir, self.address)
         self.metrics: Any = None  # MetricsWriter, once started
         self._deferred_workers: int | None = None
+        self.redo: list[int] = []  # batches running at the checkpoint a resume started from
+        self.resumed: Resume | None = None
+        self.faults: list[dict[str, Any]] = []  # what failed, when, how long recovery took
+        self.learner_failed: str | None = None
+        self._eval_retried: set[int] = set()
+        self._checkpointed = -1  # the step of the newest checkpoint
 
     # the run's parts (cluster.services); None until started
     buffer = property(lambda self: self.services.buffer)
@@ -82,7 +122,9 @@ class Driver:
 
     def _tick(self) -> None:
         """Start whatever the schedule allows now: rollout batches, then a learner call."""
-        if self.schedule.lockstep:
+        if self.redo:
+            self._redo_batches()
+        elif self.schedule.lockstep:
             version = self.schedule.next_batch(self.flow)
             if version is not None:
                 self._dispatch(self.pool.active, version)
@@ -109,21 +151,49 @@ class Driver:
             wait = COMPLETE_BATCH_WAIT_S if self.batch_was_complete else LEARNER_WAIT_S
             self.learning = self.learner.train(wait, publish)
 
-    def _dispatch(self, slots: list[Any], version: int) -> None:
-        weights = self.published[version]
+    def _dispatch(self, slots: list[Any], version: int, batch: int | None = None) -> None:
+        """Start a new rollout batch (or, given `batch`, one a resume redoes) at `version`,
+        split over `slots`."""
         flow = self.flow
-        flow.batches += 1
-        prompts = list(itertools.islice(self.prompts, self.P))
-        parts = np.array_split(np.arange(self.P), len(slots))
+        if batch is None:
+            flow.batches += 1
+            batch = flow.batches
+            prompts = list(itertools.islice(self.prompts, self.P))
+        else:
+            assert self.resumed is not None
+            prompts = self.resumed.prompts_of(batch)
+        parts = np.array_split(np.arange(len(prompts)), len(slots))
         now = time.monotonic()
         for slot, part in zip(slots, parts, strict=False):
             if len(part) == 0:
                 continue
             self.timeline.gap_s += max(0.0, now - slot.idle_since)
-            ref = self.pool.run_batch(slot, weights, [prompts[i] for i in part])
-            self.shards[ref] = (slot, flow.batches)
-            self.open_shards[flow.batches] = self.open_shards.get(flow.batches, 0) + 1
-        flow.running[flow.batches] = (version, self.P)
+            shard = Shard(slot, batch, version, [prompts[i] for i in part], int(part[0]))
+            self._start_shard(shard)
+            self.open_shards[batch] = self.open_shards.get(batch, 0) + 1
+        flow.running[batch] = (version, len(prompts))
+
+    def _start_shard(self, shard: Shard) -> None:
+        weights = self.published[shard.version]
+        ids = (shard.batch, shard.first)
+        ref = self.pool.run_batch(shard.slot, weights, shard.prompts, ids)
+        shard.started = time.monotonic()
+        self.shards[ref] = shard
+
+    def _redo_batches(self) -> None:
+        """After a resume: the batches that were running at the checkpoint, first (their
+        groups that were pushed before the stop are not pushed again). Lock-step keeps each
+        batch's version (the checkpoint kept the weights); async takes the newest."""
+        if self.schedule.lockstep:
+            if not self.flow.running:
+                batch = self.redo.pop(0)
+                version = self.resumed.versions[batch] if self.resumed else self.flow.latest
+                self._dispatch(self.pool.active, version, batch)
+            return
+        for slot in self.pool.idle():
+            if not self.redo:
+                break
+            self._dispatch([slot], self.flow.latest, self.redo.pop(0))
 
     # ------------------------------------------------------------------------ events
 
@@ -135,7 +205,7 @@ class Driver:
         flow.dropped += report.dropped_stale + report.dropped_invalid
         if not report.trained:
             return
-        if report.acked != report.metrics["groups"]:
+        if self.cfg.run.checkpoint_every == 0 and report.acked != report.metrics["groups"]:
             logger.error(
                 "step %d: the buffer acked %d of the %d groups trained (acked before, or lost "
                 "by the server): the summary will not reconcile", flow.steps + 1,
@@ -150,7 +220,12 @@ class Driver:
         import ray
 
         assert self.learning is not None
-        report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
+        try:
+            report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
+        except Exception as exc:
+            self.learning = None
+            self.learner_failed = f"{type(exc).__name__}: {exc}"
+            raise LearnerFailed(f"a learner rank failed at step {self.step + 1}: {exc}") from exc
         self.learning = None
         self._account(report)
         c = self.counts
@@ -197,8 +272,7 @@ class Driver:
         )  # fmt: skip
         if self.progress is not None:
             self.progress.step(self.step, record)
-        every = self.cfg.run.eval_every
-        if every and self.step % every == 0 and self.step < self.cfg.run.steps:
+        if self._eval_due(self.step):
             self._evaluate(self.step)
         ckpt = self.cfg.run.checkpoint_every
         if ckpt and self.step % ckpt == 0:
@@ -208,11 +282,18 @@ class Driver:
     def _on_batch_done(self, ref: Any) -> None:
         import ray
 
-        slot, batch = self.shards.pop(ref)
+        shard = self.shards.pop(ref)
+        slot, batch = shard.slot, shard.batch
+        try:
+            report = ray.get(ref)
+        except Exception as exc:
+            self._worker_failed(shard, exc)
+            return
         self.pool.finished(slot)
-        report = ray.get(ref)
+        if shard.failed_at is not None:
+            self._recovered("rollout worker", shard.failed_at, batch=batch)
         self.counts.rollout_s += report.generate_s
-        self.flow.pushed += report.pushed
+        self.flow.pushed += report.groups  # in the buffer now (pushed by this try or before)
         self.timeline.load_s += report.load_s
         self.open_shards[batch] -= 1
         if self.open_shards[batch] == 0:
@@ -224,9 +305,76 @@ class Driver:
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,
             reward_mean=report.reward_mean, tokens_per_s=report.tokens_per_s,
             generate_s=report.generate_s, load_s=report.load_s,
+            reward_errors=report.reward_errors,
         )  # fmt: skip
         if slot.retiring:
             self.pool.remove(slot)
+
+    def _worker_failed(self, shard: Shard, exc: BaseException) -> None:
+        """A worker died, hung or raised: replace it and redo its part of the batch, unless
+        the error would only repeat (a reward function, a full buffer) or the part failed
+        rollout.max_restarts times already."""
+        from staleflow.actors.worker import RewardError
+        from staleflow.buffer.replay import BufferFullError
+
+        cause = getattr(exc, "cause", None) or exc
+        what = "hung" if shard.hung else f"failed: {type(cause).__name__}: {cause}"
+        where = f"rollout worker {shard.slot.index} (batch {shard.batch})"
+        if isinstance(cause, RewardError | BufferFullError):
+            raise cause
+        if shard.attempts > self.cfg.rollout.max_restarts:
+            raise RuntimeError(
+                f"{where} {what}; it was redone {shard.attempts - 1} time(s) already "
+                f"(rollout.max_restarts={self.cfg.rollout.max_restarts})"
+            ) from exc
+        if self.sync.broadcasts:
+            raise RuntimeError(
+                f"{where} {what}. With sync.method {self.cfg.sync.method} a new engine gets "
+                "weights only from a broadcast publish, so the batch cannot be redone in this "
+                f"run; resume it: staleflow train --resume {self.rundir.path}"
+            ) from exc
+        logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
+                       len(shard.prompts))  # fmt: skip
+        retiring = shard.slot.retiring
+        shard.slot = self.pool.replace(shard.slot)
+        shard.slot.retiring = retiring
+        shard.attempts += 1
+        shard.hung = False
+        shard.failed_at = shard.failed_at or time.monotonic()
+        self._start_shard(shard)
+        self.metrics.write("fault", self.step, what="rollout worker", error=what,
+                           batch=shard.batch, wall_s=time.time() - self.started)  # fmt: skip
+
+    def _recovered(self, what: str, failed_at: float, **detail: Any) -> None:
+        seconds = time.monotonic() - failed_at
+        self.faults.append({"what": what, "step": self.step, "recovery_s": seconds, **detail})
+        logger.info("%s recovered in %.1f s", what, seconds)
+        self.metrics.write("recovery", self.step, what=what, recovery_s=seconds, **detail)
+
+    def _check_hung(self) -> None:
+        """Kill the worker of a batch older than rollout.batch_timeout_s: its call then fails
+        like a dead worker's, and the batch is redone elsewhere."""
+        import ray
+
+        limit = self.cfg.rollout.batch_timeout_s
+        now = time.monotonic()
+        for shard in self.shards.values():
+            if not shard.hung and now - shard.started > limit:
+                logger.warning(
+                    "rollout worker %d: batch %d has run %.0f s (rollout.batch_timeout_s=%g): "
+                    "killing it as hung", shard.slot.index, shard.batch, now - shard.started,
+                    limit,
+                )  # fmt: skip
+                shard.hung = True
+                shard.failed_at = now
+                ray.kill(shard.slot.handle)
+
+    def _check_redis(self) -> None:
+        """Restart the embedded Redis if it died (from its append-only file; clients retry
+        meanwhile, so the workers and the learner carry on)."""
+        started = time.monotonic()
+        if self.services.revive_redis():
+            self._recovered("redis", started)
 
     def _publish(self) -> None:
         """Publish the learner's current weights outside a learner call (the first version,
@@ -241,8 +389,9 @@ class Driver:
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
         self.flow.latest = max(self.flow.latest, weights.version)
-        # keep what the schedule, a pending eval or the workers may still load
+        # keep what the schedule, a pending eval or a batch that may be redone may still load
         keep = self.schedule.versions_needed(self.flow) | {v for _, v in self.evals}
+        keep |= versions_in_use(self.schedule, self.flow)  # running, next (for a checkpoint)
         for v in [v for v in self.published if v < min(keep)]:
             del self.published[v]
         self.flow.published = set(self.published)
@@ -259,7 +408,18 @@ class Driver:
     def _on_eval_done(self, ref: Any, step: int) -> None:
         import ray
 
-        report = ray.get(ref)
+        try:
+            report = ray.get(ref)
+        except Exception as exc:  # its worker died: once more on a live one
+            retry = step not in self._eval_retried and step in self.published
+            logger.warning("evaluation at step %d failed (%s)%s", step, type(exc).__name__,
+                           "; retrying" if retry else "; skipped")  # fmt: skip
+            self._eval_retried.add(step)
+            if retry and self.pool.active:
+                slot = self.pool.active[0]
+                n = self.cfg.task.eval_prompts
+                self.evals.append((self.pool.evaluate(slot, self.published[step], n), step))
+            return
         self.accuracy[step] = report.accuracy
         logger.info("held-out accuracy at step %d: %.3f", step, report.accuracy)
         self.metrics.write(
@@ -272,9 +432,24 @@ class Driver:
             self.progress.eval(step, report.accuracy)
 
     def _checkpoint(self) -> None:
+        """Checkpoint the learner with the driver's state (cluster.resume), then count the
+        groups it acked: every step up to this one is durable now."""
+        from staleflow.cluster.resume import driver_state, save_old_weights
+
         path = self.rundir.checkpoints / f"step-{self.step:06d}"
-        self.learner.save(str(path), {"step": self.step, "run_id": self.run_id})
+        held = self.flow.trained - self.counts.trained  # trainings acked by this checkpoint
+        state = driver_state(self, trained=self.flow.trained)
+        acked = self.learner.save(str(path), {"step": self.step, "run_id": self.run_id,
+                                              "driver": state})  # fmt: skip
+        if self.learner.ranks and self.cfg.run.checkpoint_every > 0 and acked != held:
+            logger.error("checkpoint at step %d acked %d groups, %d were held: the summary "
+                         "will not reconcile", self.step, acked, held)  # fmt: skip
+        self.counts.trained += acked
+        self._checkpointed = self.step
+        save_old_weights(self, path)
         self.rundir.mark_latest_checkpoint(path)
+        self.rundir.prune_checkpoints(self.cfg.run.keep_checkpoints)
+        self.metrics.write("checkpoint", self.step, path=str(path), acked=acked)
 
     # ------------------------------------------------------------------------ the run
 
@@ -300,6 +475,10 @@ class Driver:
             self._drain()
         except KeyboardInterrupt:
             status = "interrupted"
+        except LearnerFailed as exc:
+            logger.error("%s; the run stops (the ranks share one process group). Its last "
+                         "checkpoint and the groups trained since are kept: resume with "
+                         "`staleflow train --resume %s`", exc, self.rundir.path)  # fmt: skip
         finally:
             signal.signal(signal.SIGINT, previous)
             summary = self._finish(status)
@@ -331,6 +510,8 @@ class Driver:
                 step = next(s for r, s in self.evals if r == ref)
                 self.evals = [(r, s) for r, s in self.evals if r != ref]
                 self._on_eval_done(ref, step)
+        self._check_hung()
+        self._check_redis()
 
     def _drain(self) -> None:
         """Finish the step and evaluations in flight; let no rollout batch push afterwards."""
@@ -384,27 +565,82 @@ class Driver:
         # bad input fails here, before any server or process starts
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)
-        self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard)
+        if self.resume:
+            self.resumed = load_resume(self.rundir, self.cfg)  # cuts metrics.jsonl back
+            self.prompts = self.resumed.continue_prompts(self.prompts)
+        first = self.resumed.step + 1 if self.resumed else None
+        self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard, purge_step=first)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
-        self.services.start()
+        self.services.start(resume=self.resume)
+        if self.resumed is not None:
+            self._restore(self.resumed)
         self._publish()
-        self._evaluate(0)
+        if self.resumed is None:
+            self._evaluate(0)
+        elif self._eval_due(self.step) and self.step not in self.accuracy:
+            self._evaluate(self.step)  # the checkpoint's evaluation did not finish before
         self.started = time.time()  # busy fractions and wall time count from here
         self.timeline = Timeline()  # so does the first step's interval (not the first publish)
         self._write_status("running")
         if self.progress is not None:
             self.progress.start(self.cfg.run.steps)
 
+    def _eval_due(self, step: int) -> bool:
+        every = self.cfg.run.eval_every
+        return bool(every) and step % every == 0 and 0 < step < self.cfg.run.steps
+
+    def _restore(self, r: Resume) -> None:
+        """Continue from the checkpoint `r`: the learner loads it and gets back the groups
+        held since; the schedule's counts, the batches to redo and older weights return."""
+        started = time.monotonic()
+        running = dict(r.flow.running)
+        r.flow.running = {b: (v, self.P) for b, v in r.versions.items()}
+        needed = versions_in_use(self.schedule, r.flow)
+        r.flow.running = running
+        if not self.schedule.lockstep:  # async redoes them with the newest weights
+            needed -= set(r.versions.values())
+        old = r.old_weights()
+        missing = sorted(needed - set(old))
+        if missing:
+            raise ResumeError(
+                f"{r.checkpoint}: the schedule still needs weights v{missing}, which the "
+                f"checkpoint does not hold (sync.method {self.cfg.sync.method} keeps no copy); "
+                "this run can only be resumed from a checkpoint without older versions in use"
+            )
+        recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
+        self.flow, self.counts, self.faults = r.flow, r.counts, r.faults
+        self.accuracy = r.accuracy
+        stats = self.buffer.stats()  # drops are final: those after the checkpoint count
+        extra = (stats.dropped_stale - self.counts.dropped_stale) + (
+            stats.dropped_invalid - self.counts.dropped_invalid
+        )
+        self.counts.dropped_stale, self.counts.dropped_invalid = (
+            stats.dropped_stale, stats.dropped_invalid,
+        )  # fmt: skip
+        self.flow.dropped += extra
+        for version, directory in old.items():
+            self._published(republish(self.cfg, version, directory, self.services.publish_dir))
+        self.redo = r.redo
+        seconds = time.monotonic() - started
+        logger.info(
+            "resumed at step %d from %s: %d group(s) held or staged come back, batches %s "
+            "redone, %.1f s", r.step, r.checkpoint or "the start (no checkpoint yet)",
+            recovered, self.redo or "none", seconds,
+        )  # fmt: skip
+        self.metrics.write("resume", r.step, checkpoint=str(r.checkpoint), recovered=recovered,
+                           redo=self.redo, restore_s=seconds)  # fmt: skip
+
     def _finish(self, status: str) -> dict[str, Any]:
         """Checkpoint, reconcile, report and stop everything; safe after a partial start."""
         self._absorb_learner_call()
         summary: dict[str, Any] = {"status": status, "steps": self.step, "run_id": self.run_id}
         try:
-            if self.learner is not None and self.step > 0:
+            learner_ok = self.learner is not None and self.learner_failed is None
+            if learner_ok and self.step > 0 and self.step != self._checkpointed:
                 self._checkpoint()
             if self.buffer is not None:
-                if self.learner is not None:
+                if learner_ok:
                     stale, invalid = self.learner.settle()  # no take races the counts
                     self.counts.dropped_stale += stale
                     self.counts.dropped_invalid += invalid
@@ -415,6 +651,11 @@ class Driver:
             summary["status"] = status = "failed"
         if self.services.placement is not None:
             summary["placement"] = self.services.placement
+        summary["faults"] = self.faults
+        if status != "completed" and self.rundir.latest_checkpoint() is not None:
+            summary["resume"] = f"staleflow train --resume {self.rundir.path}"
+        if self.learner_failed is not None:
+            summary["learner_error"] = self.learner_failed
         last = max(self.accuracy, default=None)
         summary.update(
             wall_s=time.time() - self.started,

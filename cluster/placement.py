@@ -8,6 +8,7 @@ strings.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -24,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
+from staleflow.buffer.entries import Receipt
 from staleflow.buffer.records import Group
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.cluster.schedule import groups_per_step
@@ -196,10 +198,17 @@ class WorkerPool:
         slot.version = weights.version
         return weights
 
-    def run_batch(self, slot: WorkerSlot, weights: Any, prompts: Sequence[Prompt]) -> Any:
-        """Start a batch at `weights.version` (loaded first at this batch boundary if needed)."""
+    def run_batch(
+        self,
+        slot: WorkerSlot,
+        weights: Any,
+        prompts: Sequence[Prompt],
+        ids: tuple[int, int] | None = None,
+    ) -> Any:
+        """Start a batch at `weights.version` (loaded first at this batch boundary if needed);
+        `ids` = (batch number, first prompt's index in it) fixes the groups' ids."""
         load = self._weights_for(slot, weights)
-        slot.busy = slot.handle.run_batch.remote(weights.version, list(prompts), load)
+        slot.busy = slot.handle.run_batch.remote(weights.version, list(prompts), load, ids)
         return slot.busy
 
     def evaluate(self, slot: WorkerSlot, weights: Any, n_prompts: int) -> Any:
@@ -213,6 +222,14 @@ class WorkerPool:
     def remove(self, slot: WorkerSlot) -> None:
         ray.kill(slot.handle)
         self.slots.remove(slot)
+
+    def replace(self, slot: WorkerSlot) -> WorkerSlot:
+        """A new worker in place of a dead (or hung) one, which is killed."""
+        with contextlib.suppress(Exception):
+            ray.kill(slot.handle)
+        if slot in self.slots:
+            self.slots.remove(slot)
+        return self.add()
 
 
 # --------------------------------------------------------------------------- learner ranks
@@ -273,6 +290,9 @@ class LearnerRank:
             if trajectories_dir is not None:
                 self.trajectories = TrajectoryLog(trajectories_dir)
         self._step_s = 1.0  # the last step's length: how long a prefetch may wait for data
+        # With periodic checkpoints a step's groups are acked when a checkpoint holds the step
+        # (`save`), so a learner restarted from it trains them again: none is lost or doubled.
+        self.defer_acks = cfg.run.checkpoint_every > 0
 
     def train(self, wait_s: float, publish: bool) -> StepReport:
         """One learner step on the next G groups of the buffer, if they come within `wait_s`:
@@ -297,7 +317,12 @@ class LearnerRank:
         t1 = time.perf_counter()
         metrics = self.learner.step(groups)
         t2 = time.perf_counter()
-        acked = self.feed.ack(batch) if self.feed is not None and batch is not None else 0
+        acked = 0
+        if self.feed is not None and batch is not None:
+            if self.defer_acks:
+                self.feed.hold(batch)
+            else:
+                acked = self.feed.ack(batch)
         t3 = time.perf_counter()
         weights = self.publish() if publish else None
         t4 = time.perf_counter()
@@ -369,8 +394,29 @@ class LearnerRank:
             bucket_bytes = self.cfg.sync.bucket_mb << 20
             return broadcast_send(self.sync_group, tensors, bucket_bytes, version)
 
-    def save(self, path: str, extra: dict[str, Any]) -> None:
-        self.learner.save(path, extra)
+    def save(self, path: str, extra: dict[str, Any]) -> int:
+        """Checkpoint (every rank takes part: sharded optimizer states, ZeRO-3 gathers), then
+        ack the groups held since the last one; returns how many were acked. The checkpoint
+        names them, so a crash between the two acks them at resume instead of training them
+        again."""
+        held = self.feed.held if self.feed is not None else []
+        acked = [[r.entry_id, r.policy_version, r.replay] for r in held]
+        self.learner.save(path, {**extra, "acked": acked} if self.rank == 0 else extra)
+        return self.feed.commit() if self.feed is not None else 0
+
+    def load(self, path: str | None, step: int) -> int:
+        """Resume: restore the checkpoint at `path` (None: the initial weights, step 0); rank 0
+        acks what the checkpoint committed, forgets the recorded steps after `step`, and gets
+        back every group delivered but not acked (trained after the checkpoint, or staged).
+        Returns how many groups it recovered."""
+        extra = self.learner.load(path) if path is not None else {}
+        if self.trajectories is not None:
+            self.trajectories.truncate(step)
+        if self.feed is None:
+            return 0
+        receipts = [Receipt(str(e), int(v), bool(r)) for e, v, r in extra.get("acked", [])]
+        self.feed.buffer.ack(receipts)
+        return self.feed.buffer.recover()
 
     def settle(self) -> tuple[int, int]:
         """Rank 0: wait for a prefetch in progress; (stale, invalid) it dropped unreported."""
@@ -463,8 +509,12 @@ class LearnerGroup:
         """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""
         return tuple(ray.get(self.ranks[0].settle.remote()))  # type: ignore[return-value]
 
-    def save(self, path: str, extra: dict[str, Any]) -> None:
-        ray.get(self.ranks[0].save.remote(path, extra))
+    def save(self, path: str, extra: dict[str, Any]) -> int:
+        """Every rank checkpoints its part; rank 0 returns how many held groups it acked."""
+        return int(ray.get([r.save.remote(path, extra) for r in self.ranks])[0])
+
+    def load(self, path: str | None, step: int) -> int:
+        return int(ray.get([r.load.remote(path, step) for r in self.ranks])[0])
 
     def ready(self, timeout_s: float) -> None:
         """Block until every rank has built its engine (raises the rank's error, or a timeout)."""

@@ -88,6 +88,16 @@ class RunDir:
         tmp.write_text(path.name)
         os.replace(tmp, self.checkpoints / "LATEST")
 
+    def prune_checkpoints(self, keep: int) -> None:
+        """Delete all but the newest `keep` checkpoints (never the one LATEST names)."""
+        import shutil
+
+        latest = self.latest_checkpoint()
+        steps = sorted(self.checkpoints.glob("step-*"))
+        for old in steps[:-keep] if keep > 0 else []:
+            if old != latest:
+                shutil.rmtree(old, ignore_errors=True)
+
     def request_workers(self, n: int) -> Path:
         """Ask the running driver to scale to `n` rollout workers (see Driver._poll_control)."""
         path = self.control / "scale.json"
@@ -116,13 +126,15 @@ class MetricsWriter:
     """Appends records to metrics.jsonl (flushed per line, so a crash keeps all but the last)
     and mirrors numeric fields to TensorBoard as `<kind>/<key>`."""
 
-    def __init__(self, run: RunDir, tensorboard: bool) -> None:
+    def __init__(self, run: RunDir, tensorboard: bool, purge_step: int | None = None) -> None:
+        """`purge_step`: a resumed run's first step; TensorBoard hides what the earlier run
+        logged from there on (it is trained again)."""
         self._file = run.metrics.open("a", buffering=1)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(run.tensorboard), flush_secs=10)
+            self._tb = SummaryWriter(str(run.tensorboard), flush_secs=10, purge_step=purge_step)
 
     def write(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
         record = {"kind": kind, "step": step, "time": time.time(), **fields}

@@ -30,9 +30,10 @@ class Services:
     started_ray: bool = False
     placement: dict[str, Any] | None = None  # which node each actor runs on (summary.json)
 
-    def start(self) -> None:
-        """Redis (embedded unless buffer.redis_url), an empty buffer for this run, Ray, the
-        placement check, the learner ranks and the rollout workers, ready to run."""
+    def start(self, resume: bool = False) -> None:
+        """Redis (embedded unless buffer.redis_url), an empty buffer for this run (or, with
+        `resume`, the one it left), Ray, the placement check, the learner ranks and the
+        rollout workers, ready to run."""
         import ray
 
         from staleflow.buffer.replay import ReplayBuffer
@@ -58,8 +59,13 @@ class Services:
             url = self.redis.url
         self.buffer = ReplayBuffer.from_config(cfg.buffer, url, run_id)
         logger.info("buffer: %s", redact(url))
-        self.buffer.clear()  # a run name reused on a shared server starts from an empty buffer
-        publish_dir = cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
+        if resume:
+            stats = self.buffer.stats()
+            logger.info("resuming with the buffer as left: %d stored, %d pending, %d pushed",
+                        stats.length, stats.pending, stats.pushed)  # fmt: skip
+        else:
+            self.buffer.clear()  # a run name reused on a shared server starts empty
+        publish_dir = self.publish_dir
         trajectories = self.rundir.trajectories if cfg.run.record_trajectories else None
         self.learner = LearnerGroup(
             cfg,
@@ -90,6 +96,26 @@ class Services:
             len(self.pool.slots),
             cfg.learner.num_ranks,
         )
+
+    @property
+    def publish_dir(self) -> str:
+        """Where sync.method checkpoint publishes weights."""
+        return self.cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
+
+    def revive_redis(self) -> bool:
+        """Restart the embedded server if it died (same port and password, its append-only
+        file replayed; clients reconnect by themselves). True if it was restarted."""
+        server = self.redis
+        if server is None or server.process is None or server.process.poll() is None:
+            return False
+        logger.warning("the embedded Redis server died (exit code %s); restarting it from its "
+                       "append-only file", server.process.returncode)  # fmt: skip
+        if not self.cfg.buffer.persistence:
+            logger.error("buffer.persistence is off: the restarted server is empty, and the "
+                         "groups it held are lost")  # fmt: skip
+        server.process = None
+        server.start()
+        return True
 
     def stop(self) -> None:
         """Everything that was started, in reverse; one failure does not stop the rest."""

@@ -73,6 +73,25 @@ class TrajectoryLog:
         self._steps.write(json.dumps(line) + "\n")
         self._steps.flush()
 
+    def truncate(self, step: int) -> None:
+        """Forget the steps after `step` (a run resumed from its checkpoint at `step` trains
+        them again); groups already stored are not stored twice."""
+        self._steps.close()
+        path = self.dir / "steps.jsonl"
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                if int(json.loads(line)["step"]) <= step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line from a crash
+        tmp = path.with_name(".steps.jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        self._steps = open(path, "a", encoding="utf-8")  # noqa: SIM115
+        self._groups.flush()
+        self._stored = {g.group_id for g in _read_groups(self.dir / "groups.bin")}
+
     def close(self) -> None:
         self._groups.close()
         self._steps.close()

@@ -93,6 +93,13 @@ class TaskConfig(Frozen):
     eval_temperature: float = Field(
         1.0, ge=0.0, le=10.0, description="Sampling temperature at evaluation (0 = greedy)."
     )
+    max_reward_errors: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="custom: fraction of a batch's responses whose reward function may raise "
+        "(each scored 0 and counted) before the run stops with the first traceback.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -177,6 +184,19 @@ class RolloutConfig(Frozen):
         description="GPU share per worker (0: CPU; a fraction shares a GPU with other roles).",
     )
     seed: int = Field(0, ge=0, description="Base sampling seed (worker i uses seed + i).")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="Times one rollout batch is redone on a new worker after its worker died, "
+        "hung or its engine failed, before the run stops with the error.",
+    )
+    batch_timeout_s: float = Field(
+        1800.0,
+        gt=0.0,
+        description="Seconds a rollout batch may take before its worker counts as hung: it is "
+        "killed and replaced, and the batch redone.",
+    )
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (engine: vllm)."
     )
@@ -214,7 +234,9 @@ class BufferConfig(Frozen):
         60.0, gt=0.0, description="Seconds before a dead consumer's pending groups are reclaimed."
     )
     persistence: bool = Field(
-        False, description="Embedded server: append-only file, so a restart keeps the buffer."
+        True,
+        description="Embedded server: append-only file, so a restart (the run restarts a "
+        "server that died) or `train --resume` keeps the buffer.",
     )
 
     @field_validator("redis_url")
@@ -368,7 +390,14 @@ class RunSection(Frozen):
     log_every: int = Field(1, ge=1, description="Log metrics every N learner steps.")
     eval_every: int = Field(10, ge=0, description="Evaluate every N learner steps (0: never).")
     checkpoint_every: int = Field(
-        0, ge=0, description="Checkpoint every N learner steps (0: only at the end)."
+        10,
+        ge=0,
+        description="Checkpoint every N learner steps, and at the end or on Ctrl-C; a step's "
+        "groups are acked once a checkpoint holds it (0: only at the end, and a crash cannot "
+        "be resumed).",
+    )
+    keep_checkpoints: int = Field(
+        2, ge=1, le=1000, description="Newest checkpoints kept in the run directory."
     )
     tensorboard: bool = Field(True, description="Also write TensorBoard event files.")
     start_timeout_s: float = Field(

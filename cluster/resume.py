@@ -1,0 +1,238 @@
+"""Resuming a run from its last checkpoint (`staleflow train --resume RUN_DIR`).
+
+What a checkpoint holds besides the learner (learner.checkpoint): the driver's state at that
+step (`driver_state`: the schedule's counts, which rollout batches were running and with which
+version, the groups counted so far) and, when the schedule still needs them, the weights of
+older published versions (`weights/` in the checkpoint: lock-step with sync.offset > 0 hands
+out versions older than the step).
+
+The contract (docs/architecture.md, "Faults and resume"): a step's groups are acked only once
+a checkpoint holds the step, so the groups trained after the checkpoint are still pending and
+come back to the resumed learner, in the order they were taken; rollout batches redone after
+the resume have the same group ids, so what was pushed before the stop is not pushed twice.
+Every group pushed is then trained exactly once or dropped with a counted reason, no step is
+counted twice (metrics.jsonl, TensorBoard and the trajectory record are cut back to the
+checkpoint's step), and a lock-step lag continues exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from staleflow.cluster.ledger import Counts
+from staleflow.cluster.rundir import RunDir, read_metrics
+from staleflow.cluster.schedule import Flow
+
+__all__ = [
+    "Resume",
+    "ResumeError",
+    "driver_state",
+    "load_resume",
+    "republish",
+    "resume_overrides_allowed",
+    "save_old_weights",
+    "versions_in_use",
+]
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+
+# What a resume may change (a longer run, more workers, where the buffer is); anything else
+# would make the resumed half a different experiment from the first.
+_RESUMABLE = (
+    "run.steps", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
+    "run.tensorboard", "run.start_timeout_s", "rollout.num_workers", "rollout.max_restarts",
+    "rollout.batch_timeout_s", "buffer.redis_url", "buffer.push_timeout_s",
+)  # fmt: skip
+
+
+class ResumeError(RuntimeError):
+    """The run directory cannot be resumed (what is missing or changed, and what to do)."""
+
+
+def resume_overrides_allowed(overrides: list[str]) -> None:
+    """Refuse overrides a resume may not change (see `_RESUMABLE`)."""
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        if key not in _RESUMABLE:
+            raise ResumeError(
+                f"{key} cannot change when a run resumes (it would train the rest of the run "
+                f"differently); a resume may set: {', '.join(_RESUMABLE)}"
+            )
+
+
+def driver_state(driver: Any, trained: int) -> dict[str, Any]:
+    """The driver's state at a checkpoint; `trained` counts the trainings acked once the
+    checkpoint is written (it acks the held ones)."""
+    flow, c = driver.flow, driver.counts
+    return {
+        "format": STATE_FORMAT,
+        "flow": {
+            "steps": flow.steps,
+            "batches": flow.batches,
+            "batches_done": flow.batches_done,
+            "running": {str(b): [v, g] for b, (v, g) in flow.running.items()},
+            "pushed": flow.pushed,
+            "trained": flow.trained,
+            "dropped": flow.dropped,
+        },
+        "counts": {**dataclasses.asdict(c), "trained": trained},
+        "workers": len(driver.pool.active) if driver.pool is not None else 0,
+        "prompts_per_batch": driver.P,
+        "faults": driver.faults,
+    }
+
+
+def save_old_weights(driver: Any, checkpoint: Path) -> None:
+    """The published versions older than the step that a batch may still need, into the
+    checkpoint (a resumed learner can only publish its own step's weights)."""
+    from staleflow.learner.publish import CheckpointPublisher
+
+    old = sorted(versions_in_use(driver.schedule, driver.flow) - {driver.step})
+    if not old:
+        return
+    if driver.sync.broadcasts:
+        logger.warning(
+            "checkpoint at step %d: the schedule still needs weights v%s, which sync.method %s "
+            "does not keep; a resume from this checkpoint will be refused",
+            driver.step, old, driver.cfg.sync.method,
+        )  # fmt: skip
+        return
+    publisher = CheckpointPublisher(checkpoint / "weights", keep=len(old))
+    for version in old:
+        publisher.publish(dict(driver.published[version].arrays()), version)
+
+
+def versions_in_use(schedule: Any, flow: Flow) -> set[int]:
+    """Versions older than `flow.steps` that batches running or next (lock-step, even past
+    run.steps: a resume may lengthen the run) are generated with."""
+    from staleflow.cluster.schedule import rollout_version
+
+    needed = {v for v, _ in flow.running.values()}
+    if schedule.lockstep:
+        needed.add(rollout_version(flow.batches + 1, schedule.I, schedule.O))
+    return {v for v in needed if 0 <= v < flow.steps}
+
+
+@dataclass
+class Resume:
+    """A run directory's last checkpoint, read back for the driver."""
+
+    checkpoint: Path | None  # None: stopped before its first checkpoint (resume from step 0)
+    step: int
+    flow: Flow
+    counts: Counts
+    versions: dict[int, int] = field(default_factory=dict)  # batch to redo -> its version
+    workers: int = 0
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    accuracy: dict[int, float] = field(default_factory=dict)
+    _prompts: list[Any] = field(default_factory=list)
+    P: int = 0
+
+    @property
+    def redo(self) -> list[int]:
+        return sorted(self.versions)
+
+    def prompts_of(self, batch: int) -> list[Any]:
+        return self._prompts[(batch - 1) * self.P : batch * self.P]
+
+    def continue_prompts(self, stream: Any) -> Any:
+        """The prompt stream where the checkpoint left it (the redone batches' prompts kept)."""
+        self._prompts = list(itertools.islice(stream, self.flow.batches * self.P))
+        return stream
+
+    def old_weights(self) -> dict[int, Path]:
+        """Older versions the checkpoint kept: version -> directory to read them from."""
+        if self.checkpoint is None:
+            return {}
+        out = {}
+        for path in sorted((self.checkpoint / "weights").glob("weights-v*.safetensors")):
+            out[int(path.stem.split("-v")[1])] = path.parent
+        return out
+
+
+def load_resume(run: RunDir, cfg: Any) -> Resume:
+    """Read the last checkpoint of `run` (or start from step 0 if it has none, which only
+    works when acks wait for checkpoints), and cut the metrics back to its step."""
+    path = run.latest_checkpoint()
+    if path is None:
+        if cfg.run.checkpoint_every == 0:
+            raise ResumeError(
+                f"{run.path} has no checkpoint, and with run.checkpoint_every=0 its groups "
+                "were acked as they were trained: it cannot be resumed exactly; start a new run"
+            )
+        res = Resume(None, 0, Flow(), Counts(), P=cfg.rollout.prompts_per_batch)
+    else:
+        try:
+            trainer = json.loads((path / "trainer.json").read_text())
+            state = trainer["extra"]["driver"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ResumeError(
+                f"{path} holds no driver state ({type(exc).__name__}: {exc}); it was written by "
+                "an older staleflow or is damaged: start a new run from it with "
+                "model.path pointing at an exported model"
+            ) from None
+        if state.get("format") != STATE_FORMAT:
+            raise ResumeError(f"{path}: driver state format {state.get('format')!r} unknown")
+        f = state["flow"]
+        flow = Flow(
+            steps=f["steps"], batches=f["batches"], batches_done=f["batches_done"],
+            pushed=f["pushed"], trained=f["trained"], dropped=f["dropped"],
+        )  # fmt: skip
+        res = Resume(
+            path,
+            int(f["steps"]),
+            flow,
+            Counts(**state["counts"]),
+            versions={int(b): int(v) for b, (v, _) in f["running"].items()},
+            workers=int(state.get("workers", 0)),
+            faults=list(state.get("faults", [])),
+            P=int(state["prompts_per_batch"]),
+        )
+        if cfg.rollout.prompts_per_batch != res.P:
+            raise ResumeError(
+                f"rollout.prompts_per_batch changed from {res.P} to "
+                f"{cfg.rollout.prompts_per_batch}; a resume must keep it"
+            )
+    res.accuracy = cut_metrics(run, res.step)
+    return res
+
+
+def cut_metrics(run: RunDir, step: int) -> dict[int, float]:
+    """Drop metrics.jsonl records after `step` (their steps are trained again); returns the
+    held-out accuracy by step that remains."""
+    records = list(read_metrics(run.metrics))
+    kept = [r for r in records if int(r.get("step", 0)) <= step]
+    tmp = run.metrics.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(run.metrics)
+    return {int(r["step"]): float(r["accuracy"]) for r in kept if r.get("kind") == "eval"}
+
+
+def republish(cfg: Any, version: int, directory: Path, publish_dir: str) -> Any:
+    """Publish weights a checkpoint kept (`save_old_weights`) the way the run publishes."""
+    import shutil
+
+    from staleflow.learner.publish import (
+        CheckpointWeights,
+        PublishStats,
+        RayPublisher,
+        read_published,
+    )
+
+    if cfg.sync.method == "ray":
+        _, arrays = read_published(directory, version)
+        return RayPublisher(cfg.sync.bucket_mb).publish(arrays, version)
+    name = f"weights-v{version:08d}.safetensors"
+    target = Path(publish_dir) / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(directory / name, target)
+    stats = PublishStats(version, 0.0, target.stat().st_size, 1)
+    return CheckpointWeights(version, str(target), stats)
