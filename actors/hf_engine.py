@@ -49,6 +49,13 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def context_length(self) -> int | None:
+        """Tokens the model can attend over (prompt + response), if its config says."""
+        config = self.model.config
+        n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        return int(n) if n else None
+
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams
     ) -> list[list[Completion]]:

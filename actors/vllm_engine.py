@@ -120,6 +120,14 @@ class VLLMEngine:
         self.bucket_bytes = bucket_mb << 20
         self._version = version
 
+    @property
+    def context_length(self) -> int | None:
+        """vLLM's max_model_len (prompt + response)."""
+        try:
+            return int(self.llm.llm_engine.model_config.max_model_len)
+        except AttributeError:
+            return None
+
     @classmethod
     def from_config(cls, cfg: Any) -> VLLMEngine:
         """From a run config: the model directory (a preset is converted first)."""

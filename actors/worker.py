@@ -28,6 +28,7 @@ from staleflow.learner.sync_group import node_address
 __all__ = [
     "BatchReport",
     "EvalReport",
+    "PromptTooLongError",
     "RewardError",
     "RolloutWorker",
     "VersionMismatchError",
@@ -62,6 +63,10 @@ class BatchReport:
     pushed: int
     load_s: float = 0.0  # loading new weights at this batch's boundary
     reward_errors: int = 0  # responses whose reward function raised (scored 0)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt with the responses to generate does not fit the model's context."""
 
 
 class RewardError(RuntimeError):
@@ -299,15 +304,26 @@ class RolloutWorker:
         )
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
-        """Token ids of the prompt as the model sees it (chat template applied if asked)."""
+        """Token ids of the prompt as the model sees it (chat template applied if asked);
+        PromptTooLongError if they and rollout.max_new_tokens exceed the model's context."""
         if self.task.chat_template and getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt.text}],
                 add_generation_prompt=True,
                 tokenize=False,
             )
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        return list(self.tokenizer(prompt.text).input_ids)
+            ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        else:
+            ids = list(self.tokenizer(prompt.text).input_ids)
+        context = getattr(self.engine, "context_length", None)
+        new = self.cfg.rollout.max_new_tokens
+        if context is not None and len(ids) + new > context:
+            raise PromptTooLongError(
+                f"prompt {prompt.prompt_id} is {len(ids)} tokens; with rollout.max_new_tokens="
+                f"{new} that exceeds the model's context of {context} tokens. Shorten or "
+                "remove the prompt in the task file, or lower rollout.max_new_tokens"
+            )
+        return ids
 
 
 def build_engine(cfg: Any) -> tuple[RolloutEngine, Any]:

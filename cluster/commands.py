@@ -107,6 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     from staleflow.actors.models import ModelError
     from staleflow.actors.tasks import TaskError
+    from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError
     from staleflow.buffer.server import RedisServerError
 
@@ -118,7 +119,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             progress=Progress(name, cfg.run.log_every),
             resume=bool(resume),
         ).run()
-    except (ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError) as exc:
+    except (
+        ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError,
+        RewardError, PromptTooLongError,
+    ) as exc:  # fmt: skip
         return _fail(f"{exc} (run directory: {run.path})")
     finally:
         logging.getLogger().removeHandler(handler)

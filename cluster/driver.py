@@ -312,16 +312,17 @@ class Driver:
 
     def _worker_failed(self, shard: Shard, exc: BaseException) -> None:
         """A worker died, hung or raised: replace it and redo its part of the batch, unless
-        the error would only repeat (a reward function, a full buffer) or the part failed
+        the error would only repeat (a reward function, a full buffer, a prompt too long for the
+        model) or the part failed
         rollout.max_restarts times already."""
-        from staleflow.actors.worker import RewardError
+        from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.buffer.replay import BufferFullError
 
         cause = getattr(exc, "cause", None) or exc
         what = "hung" if shard.hung else f"failed: {type(cause).__name__}: {cause}"
         where = f"rollout worker {shard.slot.index} (batch {shard.batch})"
-        if isinstance(cause, RewardError | BufferFullError):
-            raise cause
+        if isinstance(cause, RewardError | BufferFullError | PromptTooLongError):
+            raise cause  # it would only fail again
         if shard.attempts > self.cfg.rollout.max_restarts:
             raise RuntimeError(
                 f"{where} {what}; it was redone {shard.attempts - 1} time(s) already "

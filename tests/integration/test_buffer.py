@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import signal
@@ -195,6 +196,62 @@ def test_redis_killed_and_restarted_with_aof_keeps_unacked_groups(fresh_server):
     after.ack(taken.receipts)
     stats = after.stats()
     assert (stats.pushed, stats.acked, stats.length) == (6, 6, 0)
+
+
+def test_held_groups_leave_the_capacity_and_come_back_to_a_restarted_learner(redis_url):
+    # The learner trains on 0, 1 and holds them until a checkpoint; it dies before one.
+    producer = ReplayBuffer(redis_url, "run", capacity=4, push_timeout_s=0.2)
+    for i in range(4):
+        producer.push(group(prompt=str(i)))
+    learner = ReplayBuffer(redis_url, "run", consumer="learner", capacity=4)
+    _trained, ids = take_all(learner, 2)
+    assert ids == ["0", "1"]
+    with pytest.raises(BufferFullError):
+        producer.push(group(prompt="4"))  # 4 stored of 4: trained but unacked still count
+    learner.hold(2)
+    assert learner.stats().held == 2
+    producer.push(group(prompt="4"))  # 4 stored, 2 of them held: room for 2
+    producer.push(group(prompt="5"))
+    with pytest.raises(BufferFullError):
+        producer.push(group(prompt="6"))
+    take_all(learner, 1)  # "2" staged for the next step when the learner dies
+
+    # the learner restarts from a checkpoint before those steps: everything delivered and
+    # not acked comes back, oldest first, ahead of anything new; nothing else
+    restarted = ReplayBuffer(redis_url, "run", consumer="learner", capacity=4)
+    assert restarted.recover() == 3
+    assert restarted.stats().held == 0
+    taken, ids = take_all(restarted, 10)
+    assert ids == ["0", "1", "2", "3", "4", "5"]
+    assert restarted.ack(taken.receipts, held=True) == 6
+    stats = restarted.stats()
+    assert (stats.pushed, stats.acked, stats.length, stats.pending, stats.held) == (6, 6, 0, 0, 0)
+
+
+def test_recover_takes_over_another_consumers_pending_at_once(redis_url):
+    ReplayBuffer(redis_url, "run").push(group(prompt="a"))
+    old = ReplayBuffer(redis_url, "run", consumer="old", claim_idle_s=3600)
+    assert take_all(old, 1)[1] == ["a"]
+    new = ReplayBuffer(redis_url, "run", consumer="new", claim_idle_s=3600)
+    assert take_all(new, 1)[1] == []  # not idle long enough for a plain reclaim
+    assert new.recover() == 1
+    assert take_all(new, 1)[1] == ["a"]
+
+
+def test_a_redone_batch_with_the_same_group_ids_pushes_nothing_twice(redis_url):
+    from staleflow.buffer.records import batch_group_id
+
+    buffer = ReplayBuffer(redis_url, "run")
+    ids = [batch_group_id("run", 7, i) for i in range(3)]
+    assert len(set(ids)) == 3
+    assert ids[0] == batch_group_id("run", 7, 0) != batch_group_id("run", 8, 0)
+    assert ids[0] != batch_group_id("other", 7, 0)
+    first = [dataclasses.replace(group(prompt=str(i)), group_id=g) for i, g in enumerate(ids)]
+    assert buffer.push_many(first[:2]) == [True, True]  # the worker died after two
+    redone = [dataclasses.replace(group(prompt=str(i)), group_id=g) for i, g in enumerate(ids)]
+    assert buffer.push_many(redone) == [False, False, True]
+    stats = buffer.stats()
+    assert (stats.pushed, stats.duplicates, stats.length) == (3, 2, 3)
 
 
 # ----------------------------------------------------------------------------- staleness, reuse

@@ -101,3 +101,69 @@ def test_worker_as_a_ray_actor_pushes_into_redis(ray_local, redis_url):
     assert sorted(g.policy_version for g in taken.groups) == [0, 0, 0, 1, 1, 1]
     assert {g.worker_id for g in taken.groups} == {"ray-run-w2"}
     ray.kill(actor)
+
+
+def _custom_worker(tmp_path, monkeypatch, body: str, *overrides: str) -> RolloutWorker:
+    import json
+    import sys
+    import textwrap
+
+    (tmp_path / "chaosrewards.py").write_text(textwrap.dedent(body))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("chaosrewards", None)
+    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = parse_config(
+        "model: {preset: tiny}\n"
+        f"task: {{name: custom, path: '{tmp_path / 'p.jsonl'}', reward_fn: 'chaosrewards:fn', "
+        "chat_template: false, eval_prompts: 0}\n"
+        "rollout: {prompts_per_batch: 4, group_size: 5, max_new_tokens: 4}\n",
+        list(overrides),
+    )
+    return RolloutWorker(cfg, run_id="run")
+
+
+def test_reward_errors_are_counted_logged_once_and_stop_the_batch_past_the_limit(
+    tmp_path, monkeypatch, caplog
+):
+    from staleflow.actors.worker import RewardError
+
+    # raises on every 10th call: 2 of a batch's 20 responses
+    body = """
+        calls = 0
+        def fn(meta, text):
+            global calls
+            calls += 1
+            if calls % 10 == 0:
+                raise KeyError("answer")
+            return 1.0
+        """
+    worker = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0.1")
+    with caplog.at_level("ERROR"):
+        report = worker.run_batch(policy_version=0)
+        worker.run_batch(policy_version=0)
+    assert report.reward_errors == 2  # 2 of 20 = 0.1: at the limit, the batch goes on
+    assert report.parse_failures == 0  # a reward error is not a failed parse
+    assert report.reward_mean == pytest.approx(18 / 20)  # the two score 0
+    logged = [r for r in caplog.records if "the reward function raised" in r.getMessage()]
+    assert len(logged) == 1  # the first traceback, once
+    assert "KeyError: 'answer'" in logged[0].getMessage()
+
+    strict = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0.05")
+    with pytest.raises(RewardError, match=r"(?s)raised for 2 of 20 responses.*KeyError: 'answer'"):
+        strict.run_batch(policy_version=0)
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_it_and_the_fix():
+    from staleflow.actors.tasks import Prompt
+    from staleflow.actors.worker import PromptTooLongError
+
+    worker = RolloutWorker(parse_config(CONFIG), run_id="run")
+    assert worker.engine.context_length == 256  # the tiny model's n_positions
+    long = Prompt("long:1", "1+1 " * 200, "2")
+    with pytest.raises(
+        PromptTooLongError,
+        match=r"prompt long:1 is \d+ tokens; with rollout.max_new_tokens=6 that exceeds the "
+        r"model's context of 256 tokens\. Shorten or remove",
+    ):
+        worker.run_batch(policy_version=0, prompts=[long])

@@ -172,7 +172,11 @@ def test_custom_task_reward_by_import_path(tmp_path, monkeypatch):
     task = CustomTask(str(write_jsonl(tmp_path / "p.jsonl", rows)), "myrewards:length_match")
     prompt = task.train[0]
     assert task.score(prompt, "x" * prompt.metadata["n"]).reward == 1.0
-    assert task.score(prompt, "boom").parsed is False  # never raises
+    failed = task.score(prompt, "boom")  # never raises: a reward error, with its traceback
+    assert (failed.reward, failed.parsed) == (0.0, False)
+    assert "RuntimeError: the user's function failed" in failed.error
+    assert "myrewards.py" in failed.error
+    assert task.score(prompt, "x").error is None
     sys.modules.pop("myrewards", None)
 
 

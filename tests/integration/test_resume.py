@@ -1,0 +1,193 @@
+"""Resume and the faults a run survives in place: real Ray (the session's), Redis, DeepSpeed.
+
+The chaos test (test_chaos.py) kills everything in one run through the command line; these
+check one thing each, in process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from staleflow.cluster.driver import Driver
+from staleflow.cluster.resume import ResumeError, load_resume, resume_overrides_allowed
+from staleflow.cluster.rundir import RunDir, read_metrics
+from staleflow.cluster.schedule import lag
+from staleflow.configs import parse_config
+from tests.integration.test_system import assert_reconciled
+from tests.integration.tiny import TINY, run_driver, steps_of
+
+pytestmark = pytest.mark.integration
+
+
+def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step(
+    tmp_path, ray_local
+):
+    base = ["run.name=r", "run.checkpoint_every=2", "sync.offset=1", "run.keep_checkpoints=2"]
+    _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=5")
+    assert first["status"] == "completed"
+    # checkpoints at 2, 4 and the end (5); the oldest is pruned
+    assert sorted(p.name for p in run.checkpoints.glob("step-*")) == [
+        "step-000004",
+        "step-000005",
+    ]
+    trainer = json.loads((run.checkpoints / "step-000005/trainer.json").read_text())
+    state = trainer["extra"]["driver"]
+    assert state["flow"]["steps"] == 5
+    assert state["counts"]["trained"] == 10  # every training is acked by then
+    # with offset 1, batch 6 needs version 4: the checkpoint kept it
+    assert (run.checkpoints / "step-000005/weights/weights-v00000004.safetensors").is_file()
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base, "run.steps=8"])
+    summary = Driver(cfg, RunDir(run.path), resume=True).run()
+    assert summary["status"] == "completed"
+    assert summary["steps"] == 8
+    assert_reconciled(summary)
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 16
+    records = list(read_metrics(run.metrics))
+    steps = steps_of(records)
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    for r in steps:
+        assert r["lag_min"] == r["lag_max"] == lag(r["step"], 1, 1)
+    assert [r["step"] for r in records if r["kind"] == "resume"] == [5]
+
+
+def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(
+    tmp_path, ray_local, monkeypatch
+):
+    # The driver dies just before its checkpoint at step 4 (injected): steps 3 and 4 were
+    # trained but only the checkpoint at step 2 exists, and their groups were never acked.
+    base = ["run.name=c", "run.checkpoint_every=2", "run.steps=4"]
+    original = Driver._checkpoint
+
+    def dies_at_step_4(self):
+        if self.step >= 4:
+            raise RuntimeError("injected: the driver died before its checkpoint")
+        original(self)
+
+    monkeypatch.setattr(Driver, "_checkpoint", dies_at_step_4)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_driver(tmp_path, *base)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "c")
+    lines = (run.trajectories / "steps.jsonl").read_text().splitlines()
+    before = {x["step"]: x["groups"] for x in map(json.loads, lines)}
+    assert sorted(before) == [1, 2, 3, 4]
+    assert run.latest_checkpoint().name == "step-000002"
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base])
+    summary = Driver(cfg, run, resume=True).run()
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    groups = summary["groups"]
+    assert groups["pushed"] == groups["trained"] == 8  # no batch pushed twice
+    assert groups["duplicates"] >= 2  # batch 4 or more was redone and deduplicated
+    lines = (run.trajectories / "steps.jsonl").read_text().splitlines()
+    after = {x["step"]: x["groups"] for x in map(json.loads, lines)}
+    assert [x["step"] for x in map(json.loads, lines)] == [1, 2, 3, 4]
+    assert after == before  # steps 3 and 4 trained again on exactly their groups
+    resumed = [r for r in read_metrics(run.metrics) if r["kind"] == "resume"]
+    assert resumed[0]["recovered"] >= 4  # the 2 x 2 held groups (and any staged)
+    assert [r["step"] for r in steps_of(read_metrics(run.metrics))] == [1, 2, 3, 4]
+
+
+def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
+    # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
+    base = [
+        "run.name=z", "run.checkpoint_every=2", "learner.num_ranks=4", "learner.zero_stage=2",
+        "rollout.num_workers=1",
+    ]  # fmt: skip
+    _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=2")
+    assert first["status"] == "completed", first
+    ckpt = run.checkpoints / "step-000002"
+    assert sorted(p.name for p in ckpt.glob("optimizer-rank*.safetensors")) == [
+        f"optimizer-rank{r}.safetensors" for r in range(4)
+    ]
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base, "run.steps=3"])
+    summary = Driver(cfg, RunDir(run.path), resume=True).run()
+    assert summary["status"] == "completed"
+    assert summary["steps"] == 3
+    assert_reconciled(summary)
+
+
+def _hang_once(tmp_path, monkeypatch) -> list[str]:
+    """A custom task whose reward function hangs the first time it is called (in whichever
+    worker), then scores normally: a real hang in a real worker process."""
+    marker = tmp_path / "hung-once"
+    (tmp_path / "hangrewards.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os, time
+            def fn(meta, text):
+                try:  # atomic: only the first call of all workers hangs
+                    os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return float(len(text))
+                time.sleep(600)
+                return float(len(text))
+            """
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the workers import it
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", "task.reward_fn=hangrewards:fn",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_killed_and_its_batch_redone(tmp_path, monkeypatch):
+    # its own Ray (not the session's): the workers must see PYTHONPATH to import the reward
+    task = _hang_once(tmp_path, monkeypatch)
+    _cfg, _run, summary, records = run_driver(
+        tmp_path, *task, "run.name=h", "run.steps=3", "rollout.batch_timeout_s=5"
+    )
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    faults = [r for r in records if r["kind"] == "fault"]
+    assert [f["error"] for f in faults] == ["hung"]
+    assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 6
+
+
+def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
+    from staleflow.actors.worker import RewardError
+
+    (tmp_path / "badrewards.py").write_text("def fn(meta, text):\n    return meta['nope']\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the workers import it
+    monkeypatch.syspath_prepend(str(tmp_path))  # and so does the driver, checking the task
+    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # one prompt x 2 samples per worker
+    with pytest.raises(RewardError, match=r"(?s)raised for 2 of 2 responses.*KeyError: 'nope'"):
+        run_driver(
+            tmp_path, "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
+            "task.reward_fn=badrewards:fn", "run.name=bad", "run.steps=2",
+        )  # fmt: skip
+    summary = json.loads((tmp_path / "bad/summary.json").read_text())
+    assert summary["status"] == "failed"
+
+
+def test_resume_refuses_what_it_cannot_do(tmp_path):
+    resume_overrides_allowed(["run.steps=20", "rollout.num_workers=4"])
+    with pytest.raises(ResumeError, match=r"learner.optimizer.lr cannot change when a run"):
+        resume_overrides_allowed(["learner.optimizer.lr=0.1"])
+    cfg = parse_config(TINY, ["run.checkpoint_every=0"])
+    run = RunDir.create(str(tmp_path), "none")
+    with pytest.raises(ResumeError, match=r"has no checkpoint, and with run\.checkpoint_every=0"):
+        load_resume(run, cfg)
+    cli = [sys.executable, "-m", "staleflow.cluster.cli", "train"]
+    out = subprocess.run(
+        [*cli, "--resume", str(tmp_path / "nowhere")], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert "is not a staleflow run directory (no config.json)" in out.stderr
+    out = subprocess.run(cli, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "give a run config" in out.stderr
