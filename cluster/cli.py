@@ -249,6 +249,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(options or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]  # checked like any override
+    config = getattr(args, "config", None)
+    if getattr(args, "resume", None) and config is not None and "=" in config:
+        args.overrides, args.config = [config, *args.overrides], None  # `--resume D k=v`
     return args
 
 

@@ -60,6 +60,12 @@ def test_every_readme_command_parses_and_its_config_loads(command):
         assert done.value.code == 0
         return
     args = parse(argv)  # SystemExit(2) on anything argparse would refuse
+    if getattr(args, "resume", None):
+        from staleflow.cluster.resume import resume_overrides_allowed
+
+        assert args.config is None
+        resume_overrides_allowed(args.overrides)  # what a resume may change
+        return
     config = getattr(args, "config", None)
     if config is not None and args.command == "train":
         from staleflow.cluster.schedule import check_schedule
