@@ -63,6 +63,7 @@ class BatchReport:
     pushed: int
     load_s: float = 0.0  # loading new weights at this batch's boundary
     reward_errors: int = 0  # responses whose reward function raised (scored 0)
+    node: str = ""  # the Ray node it ran on ("" outside Ray)
 
 
 class PromptTooLongError(ValueError):
@@ -264,6 +265,7 @@ class RolloutWorker:
             pushed=pushed,
             load_s=load_s,
             reward_errors=errors,
+            node=_ray_node(),
         )
 
     def _reward_error(self, error: str, prompt: Prompt) -> None:
@@ -340,3 +342,9 @@ def build_engine(cfg: Any) -> tuple[RolloutEngine, Any]:
     device = role_device(cfg.rollout.gpus_per_worker, "rollout.gpus_per_worker")
     model, tokenizer = load_model(cfg.model, device=device)
     return HFEngine(model, tokenizer), tokenizer
+
+
+def _ray_node() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id()) if ray.is_initialized() else ""

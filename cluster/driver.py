@@ -305,7 +305,7 @@ class Driver:
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,
             reward_mean=report.reward_mean, tokens_per_s=report.tokens_per_s,
             generate_s=report.generate_s, load_s=report.load_s,
-            reward_errors=report.reward_errors,
+            reward_errors=report.reward_errors, node=report.node,
         )  # fmt: skip
         if slot.retiring:
             self.pool.remove(slot)
@@ -393,6 +393,8 @@ class Driver:
         # keep what the schedule, a pending eval or a batch that may be redone may still load
         keep = self.schedule.versions_needed(self.flow) | {v for _, v in self.evals}
         keep |= versions_in_use(self.schedule, self.flow)  # running, next (for a checkpoint)
+        if self.resumed is not None and self.schedule.lockstep:  # batches still to redo
+            keep |= {self.resumed.versions[b] for b in self.redo}
         for v in [v for v in self.published if v < min(keep)]:
             del self.published[v]
         self.flow.published = set(self.published)
@@ -524,7 +526,16 @@ class Driver:
         for ref, step in self.evals:
             self._on_eval_done(ref, step)
         self.evals = []
-        for slot in list(self.pool.slots):  # batches in flight are abandoned, never half-pushed
+        done, _ = ray.wait(list(self.shards), num_returns=len(self.shards), timeout=0)
+        for ref in done:  # count what finished already (a failed one is redone on resume)
+            try:
+                ray.get(ref)
+            except Exception:
+                continue
+            self._on_batch_done(ref)
+        # the rest are abandoned: a worker pushes its part whole or not at all, and a resume
+        # redoes what the checkpoint lists as running, pushing none of its groups twice
+        for slot in list(self.pool.slots):
             self.pool.remove(slot)
         self.shards.clear()
 
@@ -620,9 +631,10 @@ class Driver:
             stats.dropped_stale, stats.dropped_invalid,
         )  # fmt: skip
         self.flow.dropped += extra
+        self.redo = r.redo  # before publishing: their versions are kept
         for version, directory in old.items():
             self._published(republish(self.cfg, version, directory, self.services.publish_dir))
-        self.redo = r.redo
+        self._checkpointed = r.step  # never rewrite it (a failure now would damage it)
         seconds = time.monotonic() - started
         logger.info(
             "resumed at step %d from %s: %d group(s) held or staged come back, batches %s "

@@ -163,6 +163,7 @@ class WorkerPool:
         self._actor = ray.remote(RolloutWorker).options(  # type: ignore[attr-defined]
             num_cpus=rollout.cpus_per_worker,
             num_gpus=rollout.gpus_per_worker,
+            resources=dict(rollout.resources) or None,
             runtime_env=_actor_env(rollout.cpus_per_worker, rollout.gpus_per_worker),
             max_concurrency=1,
         )
@@ -453,6 +454,7 @@ class LearnerGroup:
         # One bundle per rank in a placement group: packed on as few nodes as possible, or
         # spread when asked; rank r lives in bundle r, and all meet on bundle 0's node.
         bundle = {"CPU": 1.0, **({"GPU": learner.gpus_per_rank} if learner.gpus_per_rank else {})}
+        bundle.update(learner.resources)  # custom resources pin the ranks to labelled nodes
         self.group = placement_group(
             [dict(bundle) for _ in range(learner.num_ranks)],
             strategy="PACK" if learner.placement == "pack" else "SPREAD",

@@ -20,6 +20,7 @@ __all__ = [
     "ActorRequest",
     "NodeCapacity",
     "PlacementError",
+    "check_custom_resources",
     "check_sync_method",
     "cluster_nodes",
     "fit",
@@ -82,6 +83,24 @@ def run_requests(cfg: Any) -> list[ActorRequest]:
         for i in range(rollout.num_workers)
     ]
     return ranks + workers
+
+
+def check_custom_resources(cfg: Any, available: dict[str, float]) -> None:
+    """Refuse a run whose custom resources (learner.resources, rollout.resources) the
+    cluster does not have in total (`available`: ray.cluster_resources()), rather than let
+    its actors wait for nodes that never come."""
+    for key, amount_each, count in (
+        ("learner.resources", cfg.learner.resources, cfg.learner.num_ranks),
+        ("rollout.resources", cfg.rollout.resources, cfg.rollout.num_workers),
+    ):
+        for name, amount in amount_each.items():
+            have = available.get(name, 0.0)
+            if have + _EPS < amount * count:
+                raise PlacementError(
+                    f"{key} asks {amount:g} {name!r} for each of {count}, {amount * count:g} in "
+                    f"all; the cluster has {have:g}. Start nodes with `ray start --resources "
+                    f"'{{\"{name}\": N}}'`, or drop {key}"
+                )
 
 
 def fit(requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity]) -> None:

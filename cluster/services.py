@@ -39,7 +39,12 @@ class Services:
         from staleflow.buffer.replay import ReplayBuffer
         from staleflow.buffer.server import RedisServer, redis_dir
         from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
-        from staleflow.cluster.resources import cluster_nodes, fit, run_requests
+        from staleflow.cluster.resources import (
+            check_custom_resources,
+            cluster_nodes,
+            fit,
+            run_requests,
+        )
         from staleflow.cluster.weights import WeightSync
         from staleflow.learner.sync_group import node_address
 
@@ -47,6 +52,7 @@ class Services:
         self.started_ray = not ray.is_initialized() and not self.address
         start_ray(self.address, cfg)
         fit(run_requests(cfg), cluster_nodes())  # refuse now rather than wait forever
+        check_custom_resources(cfg, ray.cluster_resources())
         url = cfg.buffer.redis_url or redis_url_from_env()
         if url is None:
             # On a cluster the workers and the learner may run on other nodes: the embedded

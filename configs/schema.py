@@ -127,6 +127,18 @@ class TaskConfig(Frozen):
         return self
 
 
+def _custom_resources(value: dict[str, float], key: str) -> dict[str, float]:
+    """Ray custom resources a role requires on its node (`ray start --resources ...`)."""
+    for name, amount in value.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(
+                f"{key} names Ray custom resources; set {name} with the role's cpus/gpus keys"
+            )
+        if not amount > 0:
+            raise ValueError(f"{key}.{name}={amount}: an amount must be > 0")
+    return value
+
+
 def _gpu_share(value: float, key: str) -> float:
     """A GPU share is a fraction of one GPU (several roles share it) or whole GPUs."""
     if value > 1 and value != int(value):
@@ -184,6 +196,11 @@ class RolloutConfig(Frozen):
         description="GPU share per worker (0: CPU; a fraction shares a GPU with other roles).",
     )
     seed: int = Field(0, ge=0, description="Base sampling seed (worker i uses seed + i).")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each worker needs, to pin workers to labelled "
+        'nodes (e.g. {"rollout": 1} with `ray start --resources \'{"rollout": 4}\'`).',
+    )
     max_restarts: int = Field(
         3,
         ge=0,
@@ -205,6 +222,11 @@ class RolloutConfig(Frozen):
     @classmethod
     def _worker_share(cls, value: float) -> float:
         return _gpu_share(value, "rollout.gpus_per_worker")
+
+    @field_validator("resources")
+    @classmethod
+    def _worker_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return _custom_resources(value, "rollout.resources")
 
 
 class BufferConfig(Frozen):
@@ -313,6 +335,11 @@ class LearnerConfig(Frozen):
         le=8,
         description="GPU share per learner rank (0: CPU; 0.5 shares one GPU with the workers).",
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each rank needs, to pin the learner to labelled "
+        'nodes (e.g. {"learner": 1} with `ray start --resources \'{"learner": 1}\'`).',
+    )
     placement: Literal["pack", "spread"] = Field(
         "pack",
         description="Where the ranks go on a multi-node cluster: 'pack' fills a node before "
@@ -327,6 +354,11 @@ class LearnerConfig(Frozen):
     @classmethod
     def _rank_share(cls, value: float) -> float:
         return _gpu_share(value, "learner.gpus_per_rank")
+
+    @field_validator("resources")
+    @classmethod
+    def _rank_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        return _custom_resources(value, "learner.resources")
 
     @model_validator(mode="after")
     def _kl_needs_reference(self) -> LearnerConfig:

@@ -105,9 +105,13 @@ def test_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path, capsys):
     assert {"rollout worker", "redis"} <= set(faults), stopped["faults"]
 
     # 4. resume, then SIGKILL the driver itself
+    resumed_in = []  # seconds from `train --resume` to the first step after the checkpoint
+    launched = time.time()
     proc = staleflow("train", "--resume", str(run), cwd=tmp_path)
     try:
         at = _until(lambda: status_of(run).get("state") == "running" and _step(run), 300, "resume")
+        _until(lambda: _step(run) > at, 300, "a step after the resume")
+        resumed_in.append(time.time() - launched)
         _until(lambda: _step(run) >= at + 2, 300, "two steps after the resume")
         ours = [
             *_named(proc.pid, b"ray::RolloutWorker"),
@@ -166,9 +170,13 @@ def test_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path, capsys):
         for what, step, _ in killed:
             if what in ("learner rank", "driver"):
                 print(f"  {what:<15} at step {step:>2}: stopped; resumed with train --resume")
-        for r in resumes:
+        # the last resume: its first step's record (the earlier one's was cut back)
+        first = next(r for r in steps if r["step"] == resumes[-1]["step"] + 1)
+        resumed_in.append(first["time"] - started)
+        for r, seconds in zip(resumes, resumed_in, strict=True):
             print(
-                f"  resume at step {r['step']:>2}: restore {r['restore_s']:.1f} s, "
-                f"{r['recovered']} group(s) recovered, batches redone {r['redo']}"
+                f"  resume at step {r['step']:>2}: first step {seconds:.1f} s after `train "
+                f"--resume` started (checkpoint load and buffer recovery {r['restore_s']:.2f} "
+                f"s), {r['recovered']} group(s) recovered, batches redone {r['redo']}"
             )
         print(f"  last resume to completion: {time.time() - started:.0f} s; groups {groups}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -61,3 +62,80 @@ def test_two_node_run_spreads_the_learner_and_reconciles(tmp_path, two_nodes):
     # the workers reached Redis at the driver node's address, not only loopback
     assert where["redis"].rsplit(":", 1)[0] == nodes[where["driver_node"]]
     assert "@" not in where["redis"]  # no password in the file
+
+
+def _nodes_of_batches(run) -> list[tuple[int, str]]:
+    from staleflow.cluster.rundir import read_metrics
+
+    return [
+        (r["step"], r["node"])
+        for r in read_metrics(run / "metrics.jsonl")
+        if r["kind"] == "rollout"
+    ]
+
+
+def test_workers_scale_onto_a_new_node_and_survive_losing_one(tmp_path):
+    """The learner on the head node, rollout workers on two others (pinned with custom
+    resources); mid-run a third worker node joins and the run scales onto it, then one of the
+    first two is removed: its worker is replaced on the new node and the run goes on."""
+    from ray.cluster_utils import Cluster
+
+    from tests.integration.test_system import status_of, wait_for
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": 2, "resources": {"learner": 1}, "include_dashboard": False},
+    )
+    try:
+        first = cluster.add_node(num_cpus=2, resources={"rollout": 1})
+        second = cluster.add_node(num_cpus=2, resources={"rollout": 1})
+        cluster.wait_for_nodes()
+        (tmp_path / "c.yaml").write_text(TINY)
+        proc = staleflow(
+            "train", "c.yaml", "run.name=moving", "run.steps=1000000", "sync.offset=1",
+            'rollout.resources={"rollout": 1}', 'learner.resources={"learner": 1}',
+            "learner.optimizer.lr=3.0e-3", "rollout.prompts_per_batch=6",
+            "--address", cluster.address, cwd=tmp_path,
+        )  # fmt: skip
+        run = tmp_path / "runs/moving"
+        try:
+            wait_for(lambda: status_of(run).get("step", 0) >= 3, 300, "step 3")
+            summary_nodes = {first.node_id, second.node_id}
+            assert {n for _, n in _nodes_of_batches(run)} <= summary_nodes
+
+            third = cluster.add_node(num_cpus=2, resources={"rollout": 2})
+            cluster.wait_for_nodes()
+            from staleflow.cluster.rundir import RunDir
+
+            RunDir(run).request_workers(3)
+            wait_for(
+                lambda: third.node_id in {n for _, n in _nodes_of_batches(run)}, 300,
+                "a batch generated on the new node",
+            )  # fmt: skip
+
+            cluster.remove_node(first)  # its worker dies with it
+            lost_at = status_of(run)["step"]
+            wait_for(lambda: status_of(run).get("step", 0) >= lost_at + 5, 300, "5 more steps")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=300)
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "interrupted", out[-3000:]
+        assert_reconciled(summary)
+        assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
+        learner_nodes = summary["placement"]["learner_nodes"]
+        head = next(n for n, a in summary["placement"]["node_addresses"].items()
+                    if n not in {first.node_id, second.node_id, third.node_id})  # fmt: skip
+        assert learner_nodes == [head]
+        late = [n for step, n in _nodes_of_batches(run) if step > lost_at + 1]
+        assert late
+        assert first.node_id not in late  # nothing generated on the removed node after it left
+        from staleflow.cluster.rundir import read_metrics
+
+        rewards = [r["reward_mean"] for r in read_metrics(run / "metrics.jsonl")
+                   if r["kind"] == "step"]  # fmt: skip
+        assert sum(rewards[-5:]) / 5 > sum(rewards[:3]) / 3  # it learns (digits in replies)
+    finally:
+        cluster.shutdown()

@@ -7,6 +7,7 @@ check one thing each, in process.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,9 +17,9 @@ import pytest
 from staleflow.cluster.driver import Driver
 from staleflow.cluster.resume import ResumeError, load_resume, resume_overrides_allowed
 from staleflow.cluster.rundir import RunDir, read_metrics
-from staleflow.cluster.schedule import lag
+from staleflow.cluster.schedule import lag, rollout_version
 from staleflow.configs import parse_config
-from tests.integration.test_system import assert_reconciled, staleflow
+from tests.integration.test_system import assert_reconciled, staleflow, status_of, wait_for
 from tests.integration.tiny import TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     assert summary["status"] == "completed"
     assert summary["steps"] == 8
     assert_reconciled(summary)
-    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 16
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 10
     records = list(read_metrics(run.metrics))
     steps = steps_of(records)
     assert [r["step"] for r in steps] == list(range(1, 9))
@@ -181,6 +182,60 @@ def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, mo
     assert "KeyError: 'nope'" in out
     summary = json.loads((tmp_path / "runs/bad/summary.json").read_text())
     assert summary["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_batch_then_resume_redoes_it_with_its_older_weights(tmp_path, monkeypatch):
+    # Generation much slower than a step (the reward sleeps: 5 s a batch), offset 1: Ctrl-C
+    # right after step s finds batch s+1 being generated with version s-1 for seconds more
+    # than the learner's 2 s wait, so the stop abandons it. The checkpoint keeps those
+    # weights and the resume redoes that batch with them: every lag stays the formula's.
+    (tmp_path / "slowrewards.py").write_text(
+        "import time\ndef fn(meta, text):\n    time.sleep(2.5)\n    return float(len(text))\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = [
+        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", "task.reward_fn=slowrewards:fn",
+        "sync.offset=1", "run.checkpoint_every=100", "run.name=s",
+    ]  # fmt: skip
+    (tmp_path / "c.yaml").write_text(TINY)
+    proc = staleflow("train", "c.yaml", *task, "run.steps=5", cwd=tmp_path)
+    run = tmp_path / "runs/s"
+    try:
+        wait_for(lambda: status_of(run).get("step", 0) >= 2, 300, "step 2")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 130, out[-3000:]
+    latest = run / "checkpoints" / (run / "checkpoints/LATEST").read_text().strip()
+    state = json.loads((latest / "trainer.json").read_text())["extra"]["driver"]
+    step, running = state["flow"]["steps"], state["flow"]["running"]
+    assert running  # batch -> [version, groups]: at least the next one was being generated
+    for batch, (version, groups) in running.items():
+        assert version == rollout_version(int(batch), 1, 1) < step
+        assert groups == 2
+        assert (latest / f"weights/weights-v{version:08d}.safetensors").is_file()
+
+    code, out = _train_resume(tmp_path, run)
+    assert code == 0, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 10
+    records = list(read_metrics(run / "metrics.jsonl"))
+    assert [r["redo"] for r in records if r["kind"] == "resume"] == [sorted(map(int, running))]
+    steps = steps_of(records)
+    assert [r["step"] for r in steps] == list(range(1, 6))
+    for r in steps:
+        assert r["lag_min"] == r["lag_max"] == lag(r["step"], 1, 1)
+
+
+def _train_resume(tmp_path, run) -> tuple[int, str]:
+    proc = staleflow("train", "--resume", str(run), cwd=tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
 
 
 def test_resume_refuses_what_it_cannot_do(tmp_path):
