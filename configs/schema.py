@@ -211,8 +211,9 @@ class RolloutConfig(Frozen):
     batch_timeout_s: float = Field(
         1800.0,
         gt=0.0,
-        description="Seconds a rollout batch may take before its worker counts as hung: it is "
-        "killed and replaced, and the batch redone.",
+        description="Seconds a rollout batch may take (a replacement worker's start and model "
+        "load included) before its worker counts as hung: it is killed and replaced, and the "
+        "batch redone.",
     )
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (engine: vllm)."
