@@ -146,12 +146,10 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
                 f"--resume takes the run's own config (from {run_dir}); drop {config!r}"
             )
         overrides = [config, *overrides]
-    run = RunDir(run_dir)
-    if not run.config.is_file():
-        raise ResumeError(
-            f"{run_dir} is not a staleflow run directory (no config.json); pass the directory "
-            "`staleflow train` printed, e.g. runs/<name>"
-        )
+    try:
+        run = RunDir(run_dir).check_exists()
+    except FileNotFoundError as exc:
+        raise ResumeError(str(exc)) from None
     resume_overrides_allowed(overrides)
     cfg = load_config(str(run.config), overrides)
     url = cfg.buffer.redis_url

@@ -29,8 +29,10 @@ from staleflow.cluster.ledger import Counts, Timeline, reconcile
 from staleflow.cluster.resume import (
     Resume,
     ResumeError,
+    driver_state,
     load_resume,
     republish,
+    save_old_weights,
     versions_in_use,
 )
 from staleflow.cluster.rundir import MetricsWriter, write_json
@@ -184,11 +186,11 @@ class Driver:
         """After a resume: the batches that were running at the checkpoint, first (their
         groups that were pushed before the stop are not pushed again). Lock-step keeps each
         batch's version (the checkpoint kept the weights); async takes the newest."""
+        assert self.resumed is not None
         if self.schedule.lockstep:
             if not self.flow.running:
                 batch = self.redo.pop(0)
-                version = self.resumed.versions[batch] if self.resumed else self.flow.latest
-                self._dispatch(self.pool.active, version, batch)
+                self._dispatch(self.pool.active, self.resumed.versions[batch], batch)
             return
         for slot in self.pool.idle():
             if not self.redo:
@@ -313,8 +315,7 @@ class Driver:
     def _worker_failed(self, shard: Shard, exc: BaseException) -> None:
         """A worker died, hung or raised: replace it and redo its part of the batch, unless
         the error would only repeat (a reward function, a full buffer, a prompt too long for the
-        model) or the part failed
-        rollout.max_restarts times already."""
+        model) or the part failed rollout.max_restarts times already."""
         from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.buffer.replay import BufferFullError
 
@@ -437,14 +438,12 @@ class Driver:
     def _checkpoint(self) -> None:
         """Checkpoint the learner with the driver's state (cluster.resume), then count the
         groups it acked: every step up to this one is durable now."""
-        from staleflow.cluster.resume import driver_state, save_old_weights
-
         path = self.rundir.checkpoints / f"step-{self.step:06d}"
         held = self.flow.trained - self.counts.trained  # trainings acked by this checkpoint
         state = driver_state(self, trained=self.flow.trained)
         acked = self.learner.save(str(path), {"step": self.step, "run_id": self.run_id,
                                               "driver": state})  # fmt: skip
-        if self.learner.ranks and self.cfg.run.checkpoint_every > 0 and acked != held:
+        if acked != held:  # 0 == 0 when every step acks its own groups (checkpoint_every 0)
             logger.error("checkpoint at step %d acked %d groups, %d were held: the summary "
                          "will not reconcile", self.step, acked, held)  # fmt: skip
         self.counts.trained += acked
@@ -606,12 +605,9 @@ class Driver:
         """Continue from the checkpoint `r`: the learner loads it and gets back the groups
         held since; the schedule's counts, the batches to redo and older weights return."""
         started = time.monotonic()
-        running = dict(r.flow.running)
-        r.flow.running = {b: (v, self.P) for b, v in r.versions.items()}
-        needed = versions_in_use(self.schedule, r.flow)
-        r.flow.running = running
-        if not self.schedule.lockstep:  # async redoes them with the newest weights
-            needed -= set(r.versions.values())
+        needed = versions_in_use(self.schedule, r.flow)  # the next lock-step batch's
+        if self.schedule.lockstep:  # and the redone batches' (async redoes them with the newest)
+            needed |= {v for v in r.versions.values() if v < r.step}
         old = r.old_weights()
         missing = sorted(needed - set(old))
         if missing:

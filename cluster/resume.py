@@ -84,7 +84,6 @@ def driver_state(driver: Any, trained: int) -> dict[str, Any]:
             "dropped": flow.dropped,
         },
         "counts": {**dataclasses.asdict(c), "trained": trained},
-        "workers": len(driver.pool.active) if driver.pool is not None else 0,
         "prompts_per_batch": driver.P,
         "faults": driver.faults,
     }
@@ -95,7 +94,7 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
     checkpoint (a resumed learner can only publish its own step's weights)."""
     from staleflow.learner.publish import CheckpointPublisher
 
-    old = sorted(versions_in_use(driver.schedule, driver.flow) - {driver.step})
+    old = sorted(versions_in_use(driver.schedule, driver.flow))
     if not old:
         return
     if driver.sync.broadcasts:
@@ -130,7 +129,6 @@ class Resume:
     flow: Flow
     counts: Counts
     versions: dict[int, int] = field(default_factory=dict)  # batch to redo -> its version
-    workers: int = 0
     faults: list[dict[str, Any]] = field(default_factory=list)
     accuracy: dict[int, float] = field(default_factory=dict)
     _prompts: list[Any] = field(default_factory=list)
@@ -192,7 +190,6 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
             flow,
             Counts(**state["counts"]),
             versions={int(b): int(v) for b, (v, _) in f["running"].items()},
-            workers=int(state.get("workers", 0)),
             faults=list(state.get("faults", [])),
             P=int(state["prompts_per_batch"]),
         )

@@ -119,8 +119,7 @@ class Services:
         if not self.cfg.buffer.persistence:
             logger.error("buffer.persistence is off: the restarted server is empty, and the "
                          "groups it held are lost")  # fmt: skip
-        server.process = None
-        server.start()
+        server.start()  # a dead process is relaunched on its port
         return True
 
     def stop(self) -> None:

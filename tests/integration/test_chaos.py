@@ -25,6 +25,7 @@ from tests.integration.test_system import (
     descendants,
     staleflow,
     status_of,
+    wait_for,
 )
 from tests.integration.tiny import TINY
 
@@ -60,13 +61,8 @@ def _step(run: Path) -> int:
 
 
 def _until(predicate, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    """`wait_for`, polling often: the tiny run makes several steps a second."""
+    return wait_for(predicate, timeout_s, what, poll_s=0.05)
 
 
 def test_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path, capsys):

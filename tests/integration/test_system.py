@@ -258,13 +258,13 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def wait_for(predicate, timeout_s: float, what: str):
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
