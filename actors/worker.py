@@ -106,10 +106,15 @@ class RolloutWorker:
         tokenizer: Any = None,
         task: Task | None = None,
         buffer: ReplayBuffer | None = None,
+        shared: Sequence[Any] = (),
     ) -> None:
+        """`shared`: directories this worker must see as the driver wrote them (objects with
+        `check(who)`, cluster/storage.py's SharedDir), checked before anything loads."""
         self.cfg = cfg
         self.run_id = run_id
         self.worker_id = f"{run_id}-w{worker_index}"
+        for directory in shared:
+            directory.check(f"rollout worker {worker_index} on {node_address()}")
         if buffer is None and redis_url is not None:
             buffer = ReplayBuffer.from_config(cfg.buffer, redis_url, run_id)
             # before the model loads: an unreachable server fails the start, naming it

@@ -110,6 +110,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError
     from staleflow.buffer.server import RedisServerError
+    from staleflow.cluster.placement import ActorStartError
 
     try:
         summary = Driver(
@@ -121,7 +122,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         ).run()
     except (
         ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError,
-        RewardError, PromptTooLongError,
+        RewardError, PromptTooLongError, ActorStartError, ConfigError,
     ) as exc:  # fmt: skip
         return _fail(f"{exc} (run directory: {run.path})")
     finally:

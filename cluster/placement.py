@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from staleflow.learner.publish import (
 from staleflow.learner.sync_group import SyncGroup, free_port, node_address
 
 __all__ = [
+    "ActorStartError",
     "LearnerGroup",
     "LearnerRank",
     "WorkerPool",
@@ -155,6 +157,7 @@ class WorkerPool:
     cfg: Any
     run_id: str
     redis_url: str
+    shared: tuple[Any, ...] = ()  # storage.SharedDir each worker must see (checked at start)
     slots: list[WorkerSlot] = field(default_factory=list)
     _next_index: int = 0
 
@@ -185,7 +188,11 @@ class WorkerPool:
         """Start a worker; its first batch loads the weights it must use (`run_batch`)."""
         index, self._next_index = self._next_index, self._next_index + 1
         handle = self._actor.remote(
-            self.cfg, run_id=self.run_id, worker_index=index, redis_url=self.redis_url
+            self.cfg,
+            run_id=self.run_id,
+            worker_index=index,
+            redis_url=self.redis_url,
+            shared=self.shared,
         )
         slot = WorkerSlot(index, handle)
         self.slots.append(slot)
@@ -267,7 +274,10 @@ class LearnerRank:
         redis_url: str | None = None,
         run_id: str | None = None,
         trajectories_dir: str | None = None,
+        shared: Sequence[Any] = (),
     ) -> None:
+        for directory in shared:  # before the rendezvous: a rank that fails here fails fast
+            directory.check(f"learner rank {rank} on {node_address()}")
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
@@ -444,6 +454,7 @@ class LearnerGroup:
     redis_url: str | None = None
     run_id: str | None = None
     trajectories_dir: str | None = None
+    shared: tuple[Any, ...] = ()  # storage.SharedDir every rank must see (checked at start)
 
     def __post_init__(self) -> None:
         learner = self.cfg.learner
@@ -490,6 +501,7 @@ class LearnerGroup:
                 self.redis_url,
                 self.run_id,
                 self.trajectories_dir,
+                self.shared,
             )
             for rank in range(learner.num_ranks)
         ]
@@ -512,10 +524,13 @@ class LearnerGroup:
         return tuple(ray.get(self.ranks[0].settle.remote()))  # type: ignore[return-value]
 
     def save(self, path: str, extra: dict[str, Any]) -> int:
-        """Every rank checkpoints its part; rank 0 returns how many held groups it acked."""
+        """Every rank checkpoints its part; rank 0 returns how many held groups it acked.
+        Paths are made absolute here: a rank's working directory is not the driver's."""
+        path = os.path.abspath(path)
         return int(ray.get([r.save.remote(path, extra) for r in self.ranks])[0])
 
     def load(self, path: str | None, step: int) -> int:
+        path = os.path.abspath(path) if path is not None else None
         return int(ray.get([r.load.remote(path, step) for r in self.ranks])[0])
 
     def ready(self, timeout_s: float) -> None:
@@ -539,6 +554,22 @@ def _rendezvous() -> tuple[str, int]:
     return node_address(), free_port()
 
 
+class ActorStartError(RuntimeError):
+    """A worker's or learner rank's constructor raised; the message is its error's last line
+    (the whole traceback goes to the driver's log)."""
+
+
+def _last_error(exc: Exception) -> str:
+    """'SomeError: message' of the exception a remote constructor raised (Ray hands it on
+    only as traceback text), else the text's last line."""
+    lines = str(exc).strip().splitlines()
+    for line in reversed(lines):
+        name, sep, message = line.partition(": ")
+        if sep and re.fullmatch(r"[A-Za-z_][\w.]*(Error|Exception)", name):
+            return f"{name.rsplit('.', 1)[-1]}: {message}"
+    return lines[-1] if lines else type(exc).__name__
+
+
 def learner_threads(num_ranks: int) -> int:
     """Torch threads of each learner rank: this machine's cores shared over the ranks."""
     return max(1, min(8, (os.cpu_count() or 1) // num_ranks))
@@ -546,13 +577,27 @@ def learner_threads(num_ranks: int) -> int:
 
 def _wait_ready(handles: Sequence[Any], timeout_s: float, what: str) -> None:
     """Wait for actors' constructors; an actor Ray cannot place (or that hangs while starting)
-    ends the wait after `timeout_s` with what the cluster has left, instead of a hang."""
-    refs = [h.__ray_ready__.remote() for h in handles]
-    done, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    ray.get(done)  # raises a constructor's error
+    ends the wait after `timeout_s` with what the cluster has left, instead of a hang. The
+    first constructor to fail ends it at once with its error: its peers may be blocked on it
+    (learner ranks wait in their rendezvous for a rank that died)."""
+    pending = [h.__ray_ready__.remote() for h in handles]
+    total, deadline = len(pending), time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        try:
+            ray.get(done)
+        except ray.exceptions.RayActorError as exc:
+            if not exc.actor_init_failed:
+                raise
+            logger.error("one of the %s failed to start: %s", what, exc)  # with its traceback
+            message = f"one of the {what} failed to start: {_last_error(exc)}"
+            raise ActorStartError(message) from None
     if pending:
         raise TimeoutError(
-            f"{len(pending)} of {len(refs)} {what} did not start within {timeout_s:g} s "
+            f"{len(pending)} of {total} {what} did not start within {timeout_s:g} s "
             f"(run.start_timeout_s); the cluster has {ray.available_resources()} free of "
             f"{ray.cluster_resources()}: an actor that fits on no node waits for resources, "
             "and one still loading its model needs a longer run.start_timeout_s"

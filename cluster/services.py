@@ -4,6 +4,7 @@ after a partial start (the driver steers them; this module only brings them up a
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,8 @@ class Services:
             )
             self.redis = server.start()
             url = self.redis.url
+        else:
+            _check_not_loopback(url)
         self.buffer = ReplayBuffer.from_config(cfg.buffer, url, run_id)
         logger.info("buffer: %s", redact(url))
         if resume:
@@ -73,14 +76,16 @@ class Services:
             self.buffer.clear()  # a run name reused on a shared server starts empty
         publish_dir = self.publish_dir
         trajectories = self.rundir.trajectories if cfg.run.record_trajectories else None
+        learner_dirs, worker_dirs = self._mark_shared_dirs()
         self.learner = LearnerGroup(
             cfg,
             publish_dir=publish_dir,
             redis_url=url,
             run_id=run_id,
-            trajectories_dir=str(trajectories) if trajectories else None,
+            trajectories_dir=os.path.abspath(trajectories) if trajectories else None,
+            shared=learner_dirs,
         )
-        self.pool = WorkerPool(cfg, run_id, url)
+        self.pool = WorkerPool(cfg, run_id, url, shared=worker_dirs)
         for _ in range(cfg.rollout.num_workers):
             self.pool.add()
         self.sync = WeightSync(cfg, self.learner, self.pool)
@@ -103,10 +108,29 @@ class Services:
             cfg.learner.num_ranks,
         )
 
+    def _mark_shared_dirs(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Markers for the directories actors write or read on the driver's behalf (the run
+        directory for the learner ranks; with sync.method checkpoint the publish directory
+        for them and the workers too), which each checks at start (cluster/storage.py)."""
+        from staleflow.cluster.storage import SharedDir
+        from staleflow.learner.sync_group import node_address
+
+        writer = node_address()
+        learner = [SharedDir.mark(self.rundir.path, "the run directory", writer)]
+        workers: list[Any] = []
+        if self.cfg.sync.method == "checkpoint":
+            published = SharedDir.mark(
+                self.publish_dir, "the weights directory (sync.checkpoint_dir)", writer
+            )
+            learner.append(published)
+            workers.append(published)
+        return tuple(learner), tuple(workers)
+
     @property
     def publish_dir(self) -> str:
-        """Where sync.method checkpoint publishes weights."""
-        return self.cfg.sync.checkpoint_dir or str(self.rundir.path / "weights")
+        """Where sync.method checkpoint publishes weights (absolute: actors on other nodes,
+        or merely in another working directory, get the driver's path)."""
+        return os.path.abspath(self.cfg.sync.checkpoint_dir or self.rundir.path / "weights")
 
     def revive_redis(self) -> bool:
         """Restart the embedded server if it died (same port and password, its append-only
@@ -150,6 +174,34 @@ def _node_id(_actor: Any) -> str:
     import ray
 
     return str(ray.get_runtime_context().get_node_id())
+
+
+def _check_not_loopback(url: str) -> None:
+    """Refuse a Redis URL on a loopback address when the cluster has nodes at other addresses:
+    the workers and learner there would each reach their own machine, not the server."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    import ray
+
+    from staleflow.configs.loader import ConfigError
+    from staleflow.learner.sync_group import node_address
+
+    host = urlsplit(url).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: resolved by each node
+        return
+    here = node_address()
+    others = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {here})
+    if loopback and others:
+        raise ConfigError(
+            f"the buffer's Redis URL points at {host}, a loopback address, but this cluster has "
+            f"nodes at {', '.join(others)} besides the driver's ({here}): workers and learner "
+            "ranks there would look for Redis on their own machine. Give buffer.redis_url (or "
+            "$STALEFLOW_REDIS_URL) an address every node reaches, e.g. "
+            f"redis://:PASSWORD@{here}:PORT, or leave it unset for the embedded server"
+        )
 
 
 def redis_url_from_env() -> str | None:

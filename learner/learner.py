@@ -35,7 +35,7 @@ from staleflow.buffer.records import Group
 from staleflow.learner.batch import TrainBatch, build_batch
 from staleflow.learner.device import role_device
 from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
-from staleflow.learner.sync_group import free_port
+from staleflow.learner.sync_group import free_port, gloo_on_node_interface
 
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
 
@@ -76,6 +76,8 @@ def ensure_distributed(
         "TORCH_EXTENSIONS_DIR",
         str(os.path.join(os.path.expanduser("~"), ".cache", "staleflow", "torch_extensions")),
     )
+    if device.type != "cuda":
+        gloo_on_node_interface()  # peers on other nodes must be told a reachable address
     # DeepSpeed's CPU shared-memory comm op JIT-compiles for about a minute; gloo needs none.
     setattr(sys.modules["deepspeed.comm.torch"], "build_shm_op", lambda: None)  # noqa: B010
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")

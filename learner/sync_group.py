@@ -16,13 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
+import logging
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["SyncGroup", "free_port", "node_address"]
+__all__ = ["SyncGroup", "free_port", "gloo_on_node_interface", "interface_of", "node_address"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +57,7 @@ class SyncGroup:
             host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
         )
         if backend == "gloo":
+            gloo_on_node_interface()
             group: Any = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
@@ -116,3 +122,41 @@ def free_port(host: str = "") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` on this machine (None if none does)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address == address
+               for a in addresses):  # fmt: skip
+            return str(name)
+    if ipaddress.ip_address(address).is_loopback:
+        return next((name for name in psutil.net_if_addrs() if name == "lo"), None)
+    return None
+
+
+def gloo_on_node_interface(address: str | None = None) -> str | None:
+    """Make gloo connect through the interface of this node's address (Ray's), unless
+    $GLOO_SOCKET_IFNAME already names one; returns the interface used.
+
+    Left alone, gloo advertises the address the machine's hostname resolves to, and many
+    hosts map their own name to 127.0.0.1 or 127.0.1.1 (Debian's /etc/hosts): ranks on one
+    machine meet anyway, but a peer on another node is told to connect to its own loopback
+    and the group never forms (seen on a simulated cluster with one address per node)."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return os.environ["GLOO_SOCKET_IFNAME"]
+    try:
+        address = address or node_address()
+    except OSError:  # the hostname does not resolve
+        return None
+    name = interface_of(address)
+    if name is None:
+        logger.warning(
+            "no network interface holds this node's address %s: gloo picks one itself (set "
+            "GLOO_SOCKET_IFNAME if its peers cannot connect)", address,
+        )  # fmt: skip
+        return None
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name

@@ -62,6 +62,11 @@ def test_two_node_run_spreads_the_learner_and_reconciles(tmp_path, two_nodes):
     # the workers reached Redis at the driver node's address, not only loopback
     assert where["redis"].rsplit(":", 1)[0] == nodes[where["driver_node"]]
     assert "@" not in where["redis"]  # no password in the file
+    # rank 0 wrote the checkpoint into the driver's run directory (an actor's working
+    # directory is not the driver's: relative paths once sent them elsewhere)
+    from staleflow.cluster.rundir import RunDir
+
+    assert (RunDir(tmp_path / "runs/multi").latest_checkpoint() / "trainer.json").is_file()
 
 
 def _nodes_of_batches(run) -> list[tuple[int, str]]:
