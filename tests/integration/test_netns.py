@@ -51,6 +51,14 @@ def _can_make_namespaces() -> str | None:
     return None
 
 
+def _node_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a node's processes, less what an earlier in-process
+    test left behind that a real node would not have: the learner pins gloo to the interface
+    of its process's node (GLOO_SOCKET_IFNAME=lo here), which on another node is wrong."""
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    return {**env, **extra}
+
+
 def _sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
 
@@ -101,14 +109,14 @@ class Nodes:
             script = f'mount -t tmpfs tmpfs "{self.private}" && exec "$@"'
             command = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "-",
                        *command]  # fmt: skip
-        env = dict(os.environ, RAY_AUTH_MODE="disabled")
+        env = _node_env(RAY_AUTH_MODE="disabled")
         done = subprocess.run(["ip", "netns", "exec", self.names[i], *command], env=env,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     def popen(self, i: int, *command: str, cwd: Path, env: dict[str, str] | None = None):
         """A process on node `i` (output merged into stdout, text)."""
-        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1", **(env or {}))
+        env = _node_env(RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1", **(env or {}))
         return subprocess.Popen(["ip", "netns", "exec", self.names[i], *command], cwd=cwd,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)  # fmt: skip
