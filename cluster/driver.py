@@ -393,11 +393,13 @@ class Driver:
         self.flow.latest = max(self.flow.latest, weights.version)
         # keep what the schedule, a pending eval or a batch that may be redone may still load
         keep = self.schedule.versions_needed(self.flow) | {v for _, v in self.evals}
-        keep |= versions_in_use(self.schedule, self.flow)  # running, next (for a checkpoint)
+        keep |= versions_in_use(self.schedule, self.flow)  # running, coming (for a checkpoint)
         if self.resumed is not None and self.schedule.lockstep:  # batches still to redo
             keep |= {self.resumed.versions[b] for b in self.redo}
         for v in [v for v in self.published if v < min(keep)]:
-            del self.published[v]
+            dropped = self.published.pop(v)
+            if hasattr(dropped, "discard"):  # sync.method checkpoint: its file goes too
+                dropped.discard()
         self.flow.published = set(self.published)
 
     def _evaluate(self, step: int) -> None:
@@ -605,7 +607,7 @@ class Driver:
         """Continue from the checkpoint `r`: the learner loads it and gets back the groups
         held since; the schedule's counts, the batches to redo and older weights return."""
         started = time.monotonic()
-        needed = versions_in_use(self.schedule, r.flow)  # the next lock-step batch's
+        needed = versions_in_use(self.schedule, r.flow)  # the coming lock-step batches'
         if self.schedule.lockstep:  # and the redone batches' (async redoes them with the newest)
             needed |= {v for v in r.versions.values() if v < r.step}
         old = r.old_weights()

@@ -104,19 +104,24 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
             driver.step, old, driver.cfg.sync.method,
         )  # fmt: skip
         return
-    publisher = CheckpointPublisher(checkpoint / "weights", keep=len(old))
+    publisher = CheckpointPublisher(checkpoint / "weights")
     for version in old:
         publisher.publish(dict(driver.published[version].arrays()), version)
 
 
 def versions_in_use(schedule: Any, flow: Flow) -> set[int]:
-    """Versions older than `flow.steps` that batches running or next (lock-step, even past
-    run.steps: a resume may lengthen the run) are generated with."""
+    """Versions older than `flow.steps` that batches running or still to start are generated
+    with: in lock-step every coming batch whose version is already published (even past
+    run.steps: a resume may lengthen the run), e.g. with I=1, O=3 at step 8 the next three
+    batches use v5, v6 and v7."""
     from staleflow.cluster.schedule import rollout_version
 
     needed = {v for v, _ in flow.running.values()}
     if schedule.lockstep:
-        needed.add(rollout_version(flow.batches + 1, schedule.I, schedule.O))
+        batch = flow.batches + 1
+        while (version := rollout_version(batch, schedule.I, schedule.O)) < flow.steps:
+            needed.add(version)
+            batch += 1
     return {v for v in needed if 0 <= v < flow.steps}
 
 

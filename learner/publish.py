@@ -107,6 +107,11 @@ class CheckpointWeights:
         _, arrays = read_published(Path(self.path).parent, self.version)
         yield from arrays.items()
 
+    def discard(self) -> None:
+        """Delete this version's file: the driver calls it once no batch, evaluation or
+        checkpoint of the schedule can still need the version."""
+        Path(self.path).unlink(missing_ok=True)
+
 
 def bucketize(arrays: Arrays, bucket_bytes: int) -> list[dict[str, np.ndarray]]:
     """Consecutive parameters grouped into buckets of about `bucket_bytes` (a large one alone)."""
@@ -153,9 +158,14 @@ class RayPublisher:
 
 
 class CheckpointPublisher:
-    """Versioned safetensors files in `directory`; `LATEST` names the newest complete one."""
+    """Versioned safetensors files in `directory`; `LATEST` names the newest complete one.
 
-    def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
+    With `keep` it deletes all but the newest `keep` files after each publish; without, it
+    deletes nothing, and whoever knows which versions are still needed discards the others
+    (`CheckpointWeights.discard`): in a run that is the driver, since a lock-step schedule with
+    sync.offset > 1 generates batches with versions older than the newest two."""
+
+    def __init__(self, directory: str | os.PathLike[str], keep: int | None = None) -> None:
         self.directory = Path(directory)
         self.keep = keep
 
@@ -172,8 +182,9 @@ class CheckpointPublisher:
         latest_tmp = self.directory / f".LATEST.{uuid.uuid4().hex[:8]}"
         latest_tmp.write_text(json.dumps({"version": version, "file": final.name}))
         _fsync_rename(latest_tmp, self.directory / "LATEST")
-        for old in sorted(self.directory.glob("weights-v*.safetensors"))[: -self.keep]:
-            old.unlink(missing_ok=True)
+        if self.keep is not None:
+            for old in sorted(self.directory.glob("weights-v*.safetensors"))[: -self.keep]:
+                old.unlink(missing_ok=True)
         stats = PublishStats.measure(version, start, arrays, 1, "checkpoint")
         return CheckpointWeights(version, str(final), stats)
 

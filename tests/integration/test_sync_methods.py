@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from staleflow.cluster.driver import Driver
 from staleflow.cluster.resources import PlacementError
+from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag
+from staleflow.configs import parse_config
 
-from .tiny import run_driver, steps_of
+from .tiny import TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -33,10 +36,37 @@ def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, metho
     )
     assert_on_policy_and_reconciled(summary, records, steps)
     published = sorted(p.name for p in (run.path / "weights").glob("weights-v*"))
-    if method == "checkpoint":  # default directory: <run dir>/weights, the newest two kept
-        assert published == ["weights-v00000003.safetensors", "weights-v00000004.safetensors"]
+    if method == "checkpoint":  # default directory: <run dir>/weights; on-policy, the
+        # driver deleted each version once the next was published (none is needed again)
+        assert published == ["weights-v00000004.safetensors"]
     else:
         assert published == []
+
+
+def test_checkpoint_method_keeps_every_version_a_large_offset_still_needs(tmp_path, ray_local):
+    """Lock-step I=1, O=3: batch t is generated with v(t-4) while v(t-1) is the newest, so
+    four published versions are in use at once. The learner used to keep only the newest two
+    files, and the end checkpoint (which saves the versions still needed) failed."""
+    args = ["run.name=o3", "sync.method=checkpoint", "sync.offset=3", "run.steps=8"]
+    _cfg, run, summary, records = run_driver(tmp_path, *args)
+    assert summary["status"] == "completed"
+    assert summary["groups"]["reconciled"]
+    assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 1, 3) for t in range(1, 9)]
+    # what is left: the newest (v8) and those the next batches (9, 10, 11) would use, v5-v7;
+    # older files were deleted once the driver no longer needed them
+    published = sorted(p.name for p in (run.path / "weights").glob("weights-v*"))
+    assert published == [f"weights-v0000000{v}.safetensors" for v in (5, 6, 7, 8)]
+    old = sorted(p.name for p in (run.latest_checkpoint() / "weights").glob("weights-v*"))
+    assert old == [f"weights-v0000000{v}.safetensors" for v in (5, 6, 7)]  # for a resume
+
+    # ... which needs all three (it kept only v5 before, and the resumed run waited forever
+    # for v6 after step 9)
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args[:-1], "run.steps=11"])
+    resumed = Driver(cfg, RunDir(run.path), resume=True).run()
+    assert resumed["status"] == "completed"
+    assert resumed["groups"]["reconciled"]
+    rows = steps_of(list(read_metrics(run.metrics)))
+    assert [r["lag_max"] for r in rows] == [lag(t, 1, 3) for t in range(1, 12)]
 
 
 def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path, ray_local):
