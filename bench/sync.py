@@ -44,7 +44,7 @@ class Sender:
 
         if method == "ray":
             return RayPublisher().publish(self.arrays, version)
-        return CheckpointPublisher(self.directory).publish(self.arrays, version)
+        return CheckpointPublisher(self.directory, keep=2).publish(self.arrays, version)
 
     def layouts(self) -> Any:
         from staleflow.learner.publish import tensor_layouts

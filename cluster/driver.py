@@ -615,8 +615,15 @@ class Driver:
         if missing:
             raise ResumeError(
                 f"{r.checkpoint}: the schedule still needs weights v{missing}, which the "
-                f"checkpoint does not hold (sync.method {self.cfg.sync.method} keeps no copy); "
-                "this run can only be resumed from a checkpoint without older versions in use"
+                "checkpoint does not hold ("
+                + (
+                    "broadcast methods keep no copy"
+                    if self.cfg.sync.method in ("nccl", "gloo")
+                    else "it was written before staleflow kept every version a lock-step "
+                    "sync.offset above the interval needs"
+                )
+                + "); this run can only be resumed from a checkpoint without older versions "
+                "in use"
             )
         recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
         self.flow, self.counts, self.faults = r.flow, r.counts, r.faults

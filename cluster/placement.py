@@ -51,6 +51,7 @@ __all__ = [
     "learner_threads",
     "object_store_bytes",
     "start_ray",
+    "wait_started",
 ]
 
 logger = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class WorkerPool:
 
     def ready(self, timeout_s: float) -> None:
         """Block until every worker has built its engine (raises its error, or a timeout)."""
-        _wait_ready([s.handle for s in self.slots], timeout_s, "rollout workers")
+        wait_started({"rollout workers": [s.handle for s in self.slots]}, timeout_s)
 
     def remove(self, slot: WorkerSlot) -> None:
         ray.kill(slot.handle)
@@ -535,7 +536,7 @@ class LearnerGroup:
 
     def ready(self, timeout_s: float) -> None:
         """Block until every rank has built its engine (raises the rank's error, or a timeout)."""
-        _wait_ready(self.ranks, timeout_s, "learner ranks")
+        wait_started({"learner ranks": self.ranks}, timeout_s)
 
     def kill(self) -> None:
         try:
@@ -575,13 +576,15 @@ def learner_threads(num_ranks: int) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // num_ranks))
 
 
-def _wait_ready(handles: Sequence[Any], timeout_s: float, what: str) -> None:
-    """Wait for actors' constructors; an actor Ray cannot place (or that hangs while starting)
-    ends the wait after `timeout_s` with what the cluster has left, instead of a hang. The
-    first constructor to fail ends it at once with its error: its peers may be blocked on it
-    (learner ranks wait in their rendezvous for a rank that died)."""
-    pending = [h.__ray_ready__.remote() for h in handles]
-    total, deadline = len(pending), time.monotonic() + timeout_s
+def wait_started(roles: dict[str, Sequence[Any]], timeout_s: float) -> None:
+    """Wait for actors' constructors ({"learner ranks": handles, ...}); an actor Ray cannot
+    place (or that hangs while starting) ends the wait after `timeout_s` with what the cluster
+    has left, instead of a hang. The first constructor to fail, of any role, ends it at once
+    with its error: its peers may be blocked on it (learner ranks wait in their rendezvous
+    for a rank that died), and the other roles need not finish loading first."""
+    role_of = {h.__ray_ready__.remote(): what for what, handles in roles.items() for h in handles}
+    pending = list(role_of)
+    deadline = time.monotonic() + timeout_s
     while pending:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -592,12 +595,16 @@ def _wait_ready(handles: Sequence[Any], timeout_s: float, what: str) -> None:
         except ray.exceptions.RayActorError as exc:
             if not exc.actor_init_failed:
                 raise
+            what = role_of[done[0]]
             logger.error("one of the %s failed to start: %s", what, exc)  # with its traceback
             message = f"one of the {what} failed to start: {_last_error(exc)}"
             raise ActorStartError(message) from None
     if pending:
+        late = Counter(role_of[ref] for ref in pending)
+        total = Counter(role_of.values())
+        which = ", ".join(f"{n} of {total[what]} {what}" for what, n in late.items())
         raise TimeoutError(
-            f"{len(pending)} of {total} {what} did not start within {timeout_s:g} s "
+            f"{which} did not start within {timeout_s:g} s "
             f"(run.start_timeout_s); the cluster has {ray.available_resources()} free of "
             f"{ray.cluster_resources()}: an actor that fits on no node waits for resources, "
             "and one still loading its model needs a longer run.start_timeout_s"

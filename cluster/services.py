@@ -39,7 +39,7 @@ class Services:
 
         from staleflow.buffer.replay import ReplayBuffer
         from staleflow.buffer.server import RedisServer, redis_dir
-        from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray
+        from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray, wait_started
         from staleflow.cluster.resources import (
             check_custom_resources,
             cluster_nodes,
@@ -89,8 +89,11 @@ class Services:
         for _ in range(cfg.rollout.num_workers):
             self.pool.add()
         self.sync = WeightSync(cfg, self.learner, self.pool)
-        self.learner.ready(cfg.run.start_timeout_s)
-        self.pool.ready(cfg.run.start_timeout_s)
+        wait_started(
+            {"learner ranks": self.learner.ranks,
+             "rollout workers": [slot.handle for slot in self.pool.slots]},
+            cfg.run.start_timeout_s,
+        )  # fmt: skip
         self.placement = {
             "learner_nodes": _nodes_of(self.learner.ranks),
             "rendezvous": "{}:{}".format(*self.learner.master),
@@ -116,13 +119,15 @@ class Services:
         from staleflow.learner.sync_group import node_address
 
         writer = node_address()
-        learner = [SharedDir.mark(self.rundir.path, "the run directory", writer)]
-        workers: list[Any] = []
+        run = SharedDir.mark(self.rundir.path, "the run directory", writer)
+        learner, workers = [run], []
         if self.cfg.sync.method == "checkpoint":
-            published = SharedDir.mark(
-                self.publish_dir, "the weights directory (sync.checkpoint_dir)", writer
-            )
-            learner.append(published)
+            published = run  # one marker per directory: a second would replace the first's
+            if os.path.abspath(self.publish_dir) != run.path:
+                published = SharedDir.mark(
+                    self.publish_dir, "the weights directory (sync.checkpoint_dir)", writer
+                )
+                learner.append(published)
             workers.append(published)
         return tuple(learner), tuple(workers)
 
@@ -177,31 +182,54 @@ def _node_id(_actor: Any) -> str:
 
 
 def _check_not_loopback(url: str) -> None:
-    """Refuse a Redis URL on a loopback address when the cluster has nodes at other addresses:
-    the workers and learner there would each reach their own machine, not the server."""
-    import ipaddress
-    from urllib.parse import urlsplit
-
+    """Refuse a Redis URL only this machine reaches (a loopback address, a name resolving to
+    one here, a unix socket) when the cluster has nodes at other addresses: the workers and
+    learner there would each look on their own machine, not at the server."""
     import ray
 
     from staleflow.configs.loader import ConfigError
     from staleflow.learner.sync_group import node_address
 
-    host = urlsplit(url).hostname or ""
-    try:
-        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: resolved by each node
+    where = _machine_local(url)
+    if where is None:
         return
     here = node_address()
     others = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} - {here})
-    if loopback and others:
+    if others:
+        host = f"[{here}]" if ":" in here else here
         raise ConfigError(
-            f"the buffer's Redis URL points at {host}, a loopback address, but this cluster has "
-            f"nodes at {', '.join(others)} besides the driver's ({here}): workers and learner "
-            "ranks there would look for Redis on their own machine. Give buffer.redis_url (or "
+            f"the buffer's Redis URL points at {where}, but this cluster has nodes at "
+            f"{', '.join(others)} besides the driver's ({here}): workers and learner ranks "
+            "there would look for Redis on their own machine. Give buffer.redis_url (or "
             "$STALEFLOW_REDIS_URL) an address every node reaches, e.g. "
-            f"redis://:PASSWORD@{here}:PORT, or leave it unset for the embedded server"
+            f"redis://:PASSWORD@{host}:PORT, or leave it unset for the embedded server"
         )
+
+
+def _machine_local(url: str) -> str | None:
+    """How `url` names a server only this machine reaches, or None."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"a unix socket ({parts.path})"
+    host = parts.hostname or ""
+    try:
+        addresses = {host} if ipaddress.ip_address(host) else set()
+    except ValueError:  # a name: as this machine resolves it
+        try:
+            addresses = {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        except OSError:
+            return None  # unresolvable here; each node resolves it itself
+    if addresses and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return (
+            f"{host}, a loopback address"
+            if host in addresses
+            else (f"{host}, which resolves to a loopback address here")
+        )
+    return None
 
 
 def redis_url_from_env() -> str | None:

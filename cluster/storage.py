@@ -45,7 +45,9 @@ class SharedDir:
         tmp = directory / f"{MARK}.{token[:8]}"
         tmp.write_text(token)
         os.replace(tmp, directory / MARK)
-        return cls(str(directory.resolve()), token, what, writer)
+        # the same string the actors are given (absolute, symlinks kept): resolving a link
+        # here would check another path than the one they write to
+        return cls(os.path.abspath(directory), token, what, writer)
 
     def check(self, who: str, wait_s: float = 5.0) -> None:
         """Raise SharedStorageError unless this process sees the token the driver left.
@@ -54,13 +56,18 @@ class SharedDir:
         moment late (listing the directory makes NFS revalidate it)."""
         deadline = time.monotonic() + wait_s
         while True:
-            seen = self._read()
+            seen, error = self._read()
             if seen == self.token or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
         if seen == self.token:
             return
-        found = "is missing there" if seen is None else "holds another run's token there"
+        if error is not None:
+            found = f"cannot be read there: {error}"
+        elif seen is None:
+            found = "is missing there"
+        else:
+            found = "holds another run's token there"
         raise SharedStorageError(
             f"{who} does not see {self.what} {self.path} as the driver on {self.writer} wrote "
             f"it (its marker file {MARK} {found}): the learner writes checkpoints, the "
@@ -71,9 +78,12 @@ class SharedDir:
             "use a sync.method other than checkpoint."
         )
 
-    def _read(self) -> str | None:
+    def _read(self) -> tuple[str | None, str | None]:
+        """(the token seen, or None; why it could not be read, if not for being absent)."""
         try:
             os.listdir(self.path)
-            return (Path(self.path) / MARK).read_text().strip()
-        except OSError:
-            return None
+            return (Path(self.path) / MARK).read_text().strip(), None
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:  # permissions (NFS root_squash), a stale handle...
+            return None, f"{type(exc).__name__}: {exc}"

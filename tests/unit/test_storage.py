@@ -27,6 +27,14 @@ def test_a_directory_the_actor_does_not_see_names_who_where_and_the_fix(tmp_path
     assert "run.output_dir" in message  # the fix
 
 
+def test_a_directory_that_cannot_be_read_says_why(tmp_path):
+    shared = SharedDir.mark(tmp_path / "run", "the run directory", "10.0.0.1")
+    (tmp_path / "run" / MARK).unlink()
+    (tmp_path / "run" / MARK).mkdir()  # reading it fails, and not for being absent
+    with pytest.raises(SharedStorageError, match="cannot be read there: IsADirectoryError"):
+        shared.check("learner rank 0 on 10.0.0.2", wait_s=0)
+
+
 def test_another_runs_marker_is_not_taken_for_ours(tmp_path):
     ours = SharedDir.mark(tmp_path, "the run directory", "10.0.0.1")
     SharedDir.mark(tmp_path, "the run directory", "10.0.0.1")  # a later start overwrote it
@@ -39,7 +47,10 @@ def test_gloo_is_pinned_to_the_interface_holding_the_node_address(monkeypatch):
 
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("198.51.100.77") is None  # TEST-NET-2: held by no interface here
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    # set, then unset, so that monkeypatch restores the variable's absence afterwards (a
+    # plain delenv of an unset variable records nothing, and "lo" would leak to later tests)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "placeholder")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     assert gloo_on_node_interface("127.0.0.1") == "lo"
     import os
 
@@ -65,3 +76,17 @@ def test_a_remote_constructors_error_is_shown_as_its_last_line():
         "SharedStorageError: learner rank 1 on 10.0.0.2 does not see the run directory "
         "/runs/a: set run.output_dir."
     )
+
+
+def test_a_redis_url_only_this_machine_reaches_is_recognised():
+    from staleflow.cluster.services import _machine_local
+
+    assert _machine_local("redis://:pw@127.0.0.1:6390") == "127.0.0.1, a loopback address"
+    assert _machine_local("rediss://u:p@127.0.0.2/0") == "127.0.0.2, a loopback address"
+    assert _machine_local("redis://[::1]:6390") == "::1, a loopback address"
+    assert _machine_local("redis://localhost:6390") == (
+        "localhost, which resolves to a loopback address here"
+    )
+    assert _machine_local("unix:///run/redis.sock") == "a unix socket (/run/redis.sock)"
+    assert _machine_local("redis://:pw@10.0.0.1:6379") is None  # other nodes may reach it
+    assert _machine_local("redis://name.invalid:6379") is None  # each node resolves it
