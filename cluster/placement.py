@@ -224,10 +224,6 @@ class WorkerPool:
         load = self._weights_for(slot, weights)
         return slot.handle.evaluate.remote(n_prompts, None, load)
 
-    def ready(self, timeout_s: float) -> None:
-        """Block until every worker has built its engine (raises its error, or a timeout)."""
-        wait_started({"rollout workers": [s.handle for s in self.slots]}, timeout_s)
-
     def remove(self, slot: WorkerSlot) -> None:
         ray.kill(slot.handle)
         self.slots.remove(slot)
@@ -533,10 +529,6 @@ class LearnerGroup:
     def load(self, path: str | None, step: int) -> int:
         path = os.path.abspath(path) if path is not None else None
         return int(ray.get([r.load.remote(path, step) for r in self.ranks])[0])
-
-    def ready(self, timeout_s: float) -> None:
-        """Block until every rank has built its engine (raises the rank's error, or a timeout)."""
-        wait_started({"learner ranks": self.ranks}, timeout_s)
 
     def kill(self) -> None:
         try:

@@ -123,7 +123,7 @@ class Services:
         learner, workers = [run], []
         if self.cfg.sync.method == "checkpoint":
             published = run  # one marker per directory: a second would replace the first's
-            if os.path.abspath(self.publish_dir) != run.path:
+            if self.publish_dir != run.path:
                 published = SharedDir.mark(
                     self.publish_dir, "the weights directory (sync.checkpoint_dir)", writer
                 )
@@ -217,18 +217,17 @@ def _machine_local(url: str) -> str | None:
         return f"a unix socket ({parts.path})"
     host = parts.hostname or ""
     try:
-        addresses = {host} if ipaddress.ip_address(host) else set()
+        if ipaddress.ip_address(host).is_loopback:
+            return f"{host}, a loopback address"
+        return None
     except ValueError:  # a name: as this machine resolves it
-        try:
-            addresses = {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
-        except OSError:
-            return None  # unresolvable here; each node resolves it itself
+        pass
+    try:
+        addresses = {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+    except OSError:
+        return None  # unresolvable here; each node resolves it itself
     if addresses and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
-        return (
-            f"{host}, a loopback address"
-            if host in addresses
-            else (f"{host}, which resolves to a loopback address here")
-        )
+        return f"{host}, which resolves to a loopback address here"
     return None
 
 

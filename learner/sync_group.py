@@ -128,12 +128,13 @@ def interface_of(address: str) -> str | None:
     """The network interface that holds `address` on this machine (None if none does)."""
     import psutil
 
-    for name, addresses in psutil.net_if_addrs().items():
+    interfaces = psutil.net_if_addrs()
+    for name, addresses in interfaces.items():
         if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address == address
                for a in addresses):  # fmt: skip
             return str(name)
-    if ipaddress.ip_address(address).is_loopback:
-        return next((name for name in psutil.net_if_addrs() if name == "lo"), None)
+    if ipaddress.ip_address(address).is_loopback and "lo" in interfaces:
+        return "lo"  # 127.0.1.1 and the like: held by no interface, routed through lo
     return None
 
 

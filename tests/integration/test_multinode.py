@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
-from tests.integration.test_system import assert_reconciled, staleflow
+from tests.integration.test_system import (
+    assert_reconciled,
+    ctrl_c,
+    interrupted_summary,
+    staleflow,
+)
 from tests.integration.tiny import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -124,11 +128,8 @@ def test_workers_scale_onto_a_new_node_and_survive_losing_one(tmp_path):
             lost_at = status_of(run)["step"]
             wait_for(lambda: status_of(run).get("step", 0) >= lost_at + 5, 300, "5 more steps")
         finally:
-            proc.send_signal(signal.SIGINT)
-            out, _ = proc.communicate(timeout=300)
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["status"] == "interrupted", out[-3000:]
-        assert_reconciled(summary)
+            out = ctrl_c(proc)
+        summary = interrupted_summary(run, out)
         assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
         learner_nodes = summary["placement"]["learner_nodes"]
         head = next(n for n, a in summary["placement"]["node_addresses"].items()

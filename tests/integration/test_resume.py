@@ -7,7 +7,6 @@ check one thing each, in process.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from staleflow.cluster.resume import ResumeError, load_resume, resume_overrides_
 from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag, rollout_version
 from staleflow.configs import parse_config
-from tests.integration.test_system import assert_reconciled, staleflow, status_of, wait_for
+from tests.integration.test_system import assert_reconciled, ctrl_c, staleflow, status_of, wait_for
 from tests.integration.tiny import TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
@@ -207,8 +206,7 @@ def test_ctrl_c_mid_batch_then_resume_redoes_it_with_its_older_weights(tmp_path,
     try:
         wait_for(lambda: status_of(run).get("step", 0) >= 2, 300, "step 2")
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=300)
+        out = ctrl_c(proc)
     assert proc.returncode == 130, out[-3000:]
     latest = run / "checkpoints" / (run / "checkpoints/LATEST").read_text().strip()
     state = json.loads((latest / "trainer.json").read_text())["extra"]["driver"]

@@ -27,6 +27,22 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
+def ctrl_c(proc) -> str:
+    """Stop a running `staleflow train` as a user would (the step in flight finishes, then
+    checkpoint, summary, shutdown); its output."""
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=300)
+    return out
+
+
+def interrupted_summary(run: Path, out: str) -> dict:
+    """The summary of a run stopped with Ctrl-C, which must say so and reconcile."""
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted", out[-3000:]
+    assert_reconciled(summary)
+    return summary
+
+
 def assert_reconciled(summary):
     g = summary["groups"]
     assert g["reconciled"], g
@@ -379,11 +395,8 @@ def test_scale_workers_up_and_down_during_a_run(tmp_path):
         before = len(batches_by(0))
         wait_for(lambda: len(batches_by(0)) > before + 2, 120, "the remaining worker to go on")
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=300)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "interrupted", out[-3000:]
-    assert_reconciled(summary)
+        out = ctrl_c(proc)
+    interrupted_summary(run, out)
 
 
 @pytest.mark.slow
@@ -399,15 +412,12 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path):
     redis_pid = json.loads((run / "redis/server.json").read_text())["pid"]
     assert redis_pid in children
     assert len(children) > 3
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=300)
+    out = ctrl_c(proc)
     assert proc.returncode == 130, out[-3000:]
     wait_for(lambda: not any(alive(p) for p in children), 30, "Redis and Ray to exit")
 
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
+    summary = interrupted_summary(run, out)
     assert 3 <= summary["steps"] < 100000
-    assert_reconciled(summary)
     latest = run / "checkpoints" / (run / "checkpoints/LATEST").read_text().strip()
     assert json.loads((latest / "trainer.json").read_text())["steps"] == summary["steps"]
     assert (run / "report.html").is_file()
