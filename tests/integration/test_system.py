@@ -196,18 +196,27 @@ def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
 
 
 def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path, ray_local):
-    # Three free-running workers whose batches vary in length (responses stop at EOS or at
-    # 12 tokens) finish out of dispatch order; admission counts every running batch in its
-    # worst case, so no group is generated that the staleness rule would then drop.
+    # Three free-running workers, one of them slow (its reward takes 0.25 s a response, 1 s a
+    # batch; the others take ~0.1 s): batches dispatched after the slow one's finish before
+    # it, whichever batch it holds. Admission counts every running batch in its worst case,
+    # so no group is generated that the staleness rule would then drop.
+    rows = [
+        {"prompt": f"Say something #{i}", "marker": str(tmp_path / "slow"), "sleep_s": 0.25}
+        for i in range(40)
+    ]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     _cfg, _run, summary, records = run_driver(
         tmp_path,
+        "task.name=custom",
+        f"task.path={tmp_path / 'p.jsonl'}",
+        "task.reward_fn=tests.integration.rewards:one_slow_worker",
         "sync.mode=async",
         "buffer.max_staleness=2",
         "rollout.num_workers=3",
-        "rollout.max_new_tokens=12",
-        "run.steps=16",
+        "run.steps=12",
     )
     assert summary["status"] == "completed"
+    assert (tmp_path / "slow").exists()  # the slow worker was there
     finished = [r["batch"] for r in records if r["kind"] == "rollout"]
     assert finished != sorted(finished), "no batch finished out of order: the test saw nothing"
     assert summary["groups"]["dropped_stale"] == 0

@@ -1,0 +1,24 @@
+"""Reward functions the system tests give a `custom` task (imported by the rollout workers of
+the session's Ray, which has the repository root on its path)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def one_slow_worker(meta: dict, text: str) -> float:
+    """The first worker process to score anything claims `meta['marker']` and then takes
+    `meta['sleep_s']` per response for the rest of the run; the others score at once. A real
+    slow worker, so batches dispatched after its batch finish before it."""
+    marker = meta["marker"]
+    try:  # atomic: exactly one process wins
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+    except FileExistsError:
+        pass
+    with open(marker) as f:
+        if f.read() == str(os.getpid()):
+            time.sleep(float(meta["sleep_s"]))
+    return float(len(text))
