@@ -4,9 +4,10 @@
 
 Realistic groups: K = 8 responses x 1024 tokens (int32 ids + float32 log-probs, ~66 KB). Each
 round measures, on one Redis server:
-  push:     ReplayBuffer.push(group) (encode + Lua script: dedup, capacity, XADD, counters)
-            vs raw XADD of the already-encoded bytes;
-  take+ack: ReplayBuffer.take(batch) + ack (reclaim, XREADGROUP, decode, Lua ack + XDEL)
+  push:     ReplayBuffer.push(group) (encode, then one MULTI/EXEC: XADD + the admit script's
+            dedup, capacity and counters) vs raw XADD of the already-encoded bytes;
+  take+ack: ReplayBuffer.take(batch) + ack (reclaim, XREADGROUP, decode, Lua ack + XDEL),
+            and take(batch, ack=previous receipts) (the ack rides on the next read),
             vs raw XREADGROUP + XACK of the same entries.
 Rounds alternate which side goes first; medians over rounds are reported, ratios last
 (targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms).
@@ -88,6 +89,17 @@ def buffer_take_ack(buffer: ReplayBuffer, batch: int) -> int:
         done += len(taken.groups)
 
 
+def buffer_take_ack_pipelined(buffer: ReplayBuffer, batch: int) -> int:
+    """The learner's loop with the ack riding on the next take (one round trip each)."""
+    done, receipts = 0, []
+    while True:
+        taken = buffer.take(batch, learner_version=10, ack=receipts)
+        receipts = taken.receipts
+        if not taken.groups:
+            return done
+        done += len(taken.groups)
+
+
 def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
     groups = synthetic_groups(n_groups)
     entries = raw_entries(groups)
@@ -122,10 +134,13 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         with (
             ReplayBuffer(url, f"one-{r}", capacity=n_groups + 1) as one,
             ReplayBuffer(url, f"many-{r}", capacity=n_groups + 1) as many,
+            ReplayBuffer(url, f"piped-{r}", capacity=n_groups + 1) as piped,
         ):
             measure("sf_push_1", lambda: buffer_push(one, groups, 1))
             measure("sf_push_b", lambda: buffer_push(many, groups, batch))
             measure("sf_take", lambda: buffer_take_ack(many, batch))
+            buffer_push(piped, groups, batch)
+            measure("sf_take_piped", lambda: buffer_take_ack_pipelined(piped, batch))
 
     for r in range(rounds):  # alternate which side runs first
         client.flushall()
@@ -143,6 +158,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         (f"staleflow push_many({batch})", "sf_push_b"),
         (f"raw XREADGROUP+XACK by {batch}", "raw_take"),
         (f"staleflow take({batch})+ack", "sf_take"),
+        (f"staleflow take({batch}, ack=previous)", "sf_take_piped"),
     ]:
         print(f"{label:34}{med[key]:10.0f}{med[key] * mb_per_group:10.1f}")
     print(f"encode+decode one group: {codec_ms:.3f} ms (median of 100; target < 1 ms)")
@@ -150,6 +166,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         ("push, one per call ", "sf_push_1", "raw_push_1"),
         (f"push, batches of {batch}", "sf_push_b", "raw_push_b"),
         ("take+ack          ", "sf_take", "raw_take"),
+        ("take, ack piggyback", "sf_take_piped", "raw_take"),
     ]:
         print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
 

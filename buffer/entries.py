@@ -49,6 +49,7 @@ class Taken:
     receipts: list[Receipt]
     dropped_stale: int = 0
     dropped_invalid: int = 0
+    acked: int = 0  # of the receipts passed to `take(..., ack=...)`, how many were pending
 
 
 @dataclass(frozen=True)

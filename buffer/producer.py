@@ -18,7 +18,7 @@ from staleflow.buffer.records import Group
 
 __all__ = ["Producer"]
 
-_RESERVE_TTL_S = 30  # a producer that dies between reserving and adding blocks its ids this long
+_FULL = -2  # scripts.ADMIT: the new groups do not fit
 
 
 class Producer:
@@ -48,7 +48,7 @@ class Producer:
         self.capacity = capacity
         self.push_timeout_s = push_timeout_s
         self.dedup_ttl_s = dedup_ttl_s
-        self._reserve = client.register_script(scripts.RESERVE)
+        self._fits = client.register_script(scripts.FITS)
 
     def push(self, group: Group) -> bool:
         """Append one group; True if added, False if this group id was already pushed.
@@ -59,12 +59,12 @@ class Producer:
 
     @translate_errors
     def push_many(self, groups: Sequence[Group]) -> list[bool]:
-        """Append groups in two round trips; per group, True if added, False if a duplicate.
+        """Append groups in one round trip; per group, True if added, False if a duplicate.
 
         Idempotent by group id: retrying a push, even after a lost reply, adds nothing twice.
         Blocks while the groups do not fit under `capacity`, then raises BufferFullError.
-        Capacity is checked at reservation, so concurrent producers can overshoot it by the
-        batches they have in flight; it is never enforced by trimming.
+        Capacity is checked inside the push's transaction, so it is exact: concurrent
+        producers never overshoot it, and it is never enforced by trimming.
         """
         if not groups:
             return []
@@ -74,54 +74,63 @@ class Producer:
             )
         entries = [encode_fields(g) for g in groups]
         dedup_keys = [self.prefix + "gid:" + g.group_id for g in groups]
-        token = "r:" + uuid.uuid4().hex
+        token = "t:" + uuid.uuid4().hex
         deadline = time.monotonic() + self.push_timeout_s
         delay = 0.005
         while True:
-            status = [int(x) for x in self._reserve(
-                keys=[self.stream_key, self.stats_key, *dedup_keys],
-                args=[self.capacity, _RESERVE_TTL_S, token],
-            )]  # fmt: skip
-            if status[0] >= 0:
-                new = [i for i, st in enumerate(status) if st == 0]
-                if not new or self._add_reserved(groups, entries, dedup_keys, new):
-                    return [st == 0 for st in status]
-                continue  # the transaction's reply was lost: the markers tell what happened
-            if time.monotonic() >= deadline:
-                if status[0] == -1:
+            status = self._add(groups, entries, dedup_keys, token)
+            if status is None:  # the reply was lost: the dedup keys tell whether it ran
+                self.client.ping()  # wait for the server with the client's retries, or raise
+                continue
+            if status[0] != _FULL:
+                return [st == 0 for st in status]
+            while not self._fits(  # wait for room without resending the payload
+                keys=[self.stream_key, self.stats_key, *dedup_keys], args=[self.capacity]
+            ):
+                if time.monotonic() >= deadline:
                     raise BufferFullError(
-                        f"another push of the same group id has been in flight for "
-                        f"{self.push_timeout_s:g} s; nothing was pushed"
+                        f"replay buffer of run {self.run!r} has been full ({self.capacity} "
+                        f"groups) for {self.push_timeout_s:g} s: the learner is not consuming "
+                        "(stopped or too slow). Raise buffer.capacity or buffer.push_timeout_s, "
+                        "or add learner throughput; nothing was pushed"
                     )
-                raise BufferFullError(
-                    f"replay buffer of run {self.run!r} has been full ({self.capacity} groups) "
-                    f"for {self.push_timeout_s:g} s: the learner is not consuming (stopped or "
-                    "too slow). Raise buffer.capacity or buffer.push_timeout_s, or add learner "
-                    "throughput; nothing was pushed"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.25)
 
-    def _add_reserved(
-        self, groups: Sequence[Group], entries: list[Fields], keys: list[str], new: list[int]
-    ) -> bool:
-        """XADD the reserved groups and mark them added, atomically. False if the connection
-        dropped before the reply: the caller re-reserves, and the markers say whether the
-        transaction ran ("added": duplicate from now on) or not (our token: add again)."""
-        pipe = self._tx_client.pipeline(transaction=True)
-        versions: dict[int, int] = {}
-        for i in new:
-            g = groups[i]
-            entry: dict[Any, Any] = {**entries[i], "v": g.policy_version, "gid": g.group_id}
-            pipe.xadd(self.stream_key, entry)
-            pipe.set(keys[i], "added", ex=self.dedup_ttl_s)
-            versions[g.policy_version] = versions.get(g.policy_version, 0) + 1
-        pipe.hincrby(self.stats_key, "pushed", len(new))
-        pipe.hincrby(self.stats_key, "bytes_pushed", sum(nbytes(entries[i]) for i in new))
-        for version, count in versions.items():
-            pipe.hincrby(self.pushed_by_version_key, str(version), count)
+    def _add(
+        self, groups: Sequence[Group], entries: list[Fields], keys: list[str], token: str
+    ) -> list[int] | None:
+        """One MULTI/EXEC: XADD every group, then ADMIT keeps the new ones if they fit
+        (scripts.ADMIT). None if the connection dropped before the reply: the caller sends
+        the same transaction again, and ADMIT recognises the groups it already added.
+
+        Sent as one packed write on a pooled connection and read back reply by reply:
+        redis-py's transaction pipeline costs ~70 us more per push in Python (measured in
+        bench/buffer.py's terms), a quarter of a single 66 KB push."""
+        args: list[Any] = [self.capacity, self.dedup_ttl_s, token]
+        commands: list[tuple[Any, ...]] = [("MULTI",)]
+        for g, fields in zip(groups, entries, strict=True):
+            flat = [x for kv in fields.items() for x in kv]
+            commands.append(("XADD", self.stream_key, "*", *flat, "v", g.policy_version,
+                             "gid", g.group_id))  # fmt: skip
+            args += [g.policy_version, nbytes(fields)]
+        keys = [self.stream_key, self.stats_key, self.pushed_by_version_key, *keys]
+        commands += [("EVAL", scripts.ADMIT, len(keys), *keys, *args), ("EXEC",)]
+        pool = self._tx_client.connection_pool
+        conn: Any = pool.get_connection()  # redis-py leaves Connection methods untyped
         try:
-            pipe.execute()
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies = [conn.read_response() for _ in commands]
         except (redis.ConnectionError, redis.TimeoutError):
-            return False
-        return True
+            conn.disconnect()
+            return None
+        except BaseException:  # an error reply (the transaction was refused): unread replies
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        executed = replies[-1]
+        for reply in executed:
+            if isinstance(reply, Exception):
+                raise reply  # see scripts.ADMIT: a failing XADD fails every one and ADMIT
+        return [int(x) for x in executed[-1]]

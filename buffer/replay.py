@@ -143,6 +143,7 @@ class ReplayBuffer:
             self.replay_key,
             self.replay_pending_key,
         ]
+        self._ack_keys = [*self._entry_keys, self.trained_by_version_key]
 
         self._producer = Producer(
             self.client,
@@ -199,18 +200,28 @@ class ReplayBuffer:
     # ------------------------------------------------------------------------- learner
 
     @translate_errors
-    def take(self, n: int, learner_version: int, timeout_s: float = 0.0) -> Taken:
+    def take(
+        self, n: int, learner_version: int, timeout_s: float = 0.0, ack: Sequence[Receipt] = ()
+    ) -> Taken:
         """Up to `n` groups trainable at `learner_version`, waiting up to `timeout_s` for
-        `n` to be available. Stale groups met on the way are dropped and counted."""
+        `n` to be available. Stale groups met on the way are dropped and counted.
+
+        `ack`: receipts of groups whose step is committed, acked exactly as `ack` would,
+        before anything is read and in the same round trip as the first read (a consumer
+        that takes right after acking saves the ack's round trip); `Taken.acked` says how
+        many of them were pending."""
         if n < 1:
             raise ValueError(f"take needs n >= 1, got {n}")
         self._ensure_group()
         deadline = time.monotonic() + timeout_s
         stale = invalid = 0
         taken: list[tuple[str, int, dict[bytes, bytes], bool]] = []
+        ack_args, acked = self._ack_args(ack, held=False), 0
         while True:
             self._reclaim_if_due()
-            read = self._refill(n - len(taken), deadline)
+            read, ack_result = self._refill(n - len(taken), deadline, ack_args)
+            if ack_args:
+                acked, ack_args = self._acked(ack_args, ack_result), None
             stale += self._drop_stale_pooled(learner_version)
             for entry_id in self._select(n - len(taken)):
                 version, fields = self._pool.pop(entry_id)
@@ -241,7 +252,7 @@ class ReplayBuffer:
                 self._held.add(entry_id)
         if bad:
             invalid = self._drop_entries(bad, "invalid")
-        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid)
+        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid, acked=acked)
 
     @translate_errors
     def ack(self, receipts: Iterable[Receipt], held: bool = False) -> int:
@@ -250,15 +261,10 @@ class ReplayBuffer:
         In `replay` mode a group stays for reuse until it has been acked `max_reuse` times.
         `held`: the groups were counted by `hold` (the count drops by the number acked).
         """
-        args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
-        for r in receipts:
-            args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
-        if len(args) == 3:
+        args = self._ack_args(receipts, held)
+        if not args:
             return 0
-        acked = int(self._ack(keys=[*self._entry_keys, self.trained_by_version_key], args=args))
-        for i in range(3, len(args), 3):
-            self._held.discard(args[i])
-        return acked
+        return self._acked(args, self._ack(keys=self._ack_keys, args=args))
 
     @translate_errors
     def hold(self, n: int) -> None:
@@ -385,6 +391,19 @@ class ReplayBuffer:
                 raise
         self._group_ready = True
 
+    def _ack_args(self, receipts: Iterable[Receipt], held: bool) -> list[Any] | None:
+        """scripts.ACK's ARGV for these receipts, or None if there are none."""
+        args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
+        for r in receipts:
+            args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
+        return args if len(args) > 3 else None
+
+    def _acked(self, args: list[Any], result: Any) -> int:
+        """After scripts.ACK ran: its receipts are no longer held here; how many it acked."""
+        for i in range(3, len(args), 3):
+            self._held.discard(args[i])
+        return int(result)
+
     def _reclaim_if_due(self) -> None:
         """Take over entries a dead consumer left pending, at most every claim_idle_s / 4."""
         now = time.monotonic()
@@ -410,32 +429,39 @@ class ReplayBuffer:
                 args=[now_ms(), idle_ms],
             )
 
-    def _refill(self, need: int, deadline: float) -> int:
+    def _refill(
+        self, need: int, deadline: float, ack_args: list[Any] | None = None
+    ) -> tuple[int, Any]:
         """Read new entries into the pool: what fifo needs, or everything for freshest.
         Blocks (until the deadline, 5 s at most per call) only if the pool cannot cover
-        `need`."""
+        `need`. With `ack_args`, scripts.ACK runs first, in the same round trip. Returns
+        (entries read, the ack's result or None)."""
         want = self.capacity if self.sampling == "freshest" else need - len(self._pool)
         if want <= 0:
-            return 0
+            return 0, self._ack(keys=self._ack_keys, args=ack_args) if ack_args else None
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         block = min(remaining_ms, 5000) if len(self._pool) < need else None
-        try:
-            reply: Any = self.client.xreadgroup(
-                GROUP_NAME, self.consumer, {self.stream_key: ">"}, count=want,
-                block=block or None,
-            )  # fmt: skip
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
+        pipe = self.client.pipeline(transaction=False)
+        if ack_args:  # EVAL, not the registered script: a pipeline would check it exists
+            pipe.eval(scripts.ACK, len(self._ack_keys), *self._ack_keys, *ack_args)
+        pipe.xreadgroup(
+            GROUP_NAME, self.consumer, {self.stream_key: ">"}, count=want, block=block or None
+        )
+        *ack_result, reply = pipe.execute(raise_on_error=False)
+        if ack_result and isinstance(ack_result[0], Exception):
+            raise ack_result[0]
+        if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
             self._group_ready = False  # the server lost the group (restart without AOF)
             self._ensure_group()
-            return 0
+            return 0, ack_result[0] if ack_result else None
+        if isinstance(reply, Exception):
+            raise reply
         count = 0
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._pool[text(entry_id)] = parse_fields(fields)
                 count += 1
-        return count
+        return count, ack_result[0] if ack_result else None
 
     def _select(self, k: int) -> list[str]:
         if k <= 0 or not self._pool:

@@ -8,35 +8,71 @@ inside a script), so the scripts also work where key access is checked.
 from __future__ import annotations
 
 # Payloads never pass through Lua: moving a 66 KB argument through the script engine costs
-# ~4x a native XADD. A push is therefore RESERVE (this script, small arguments) followed by a
-# MULTI/EXEC of native XADDs that also flips each reservation to "added".
+# ~4x a native XADD. A push is therefore one MULTI/EXEC (one round trip): the native XADDs of
+# its groups, then ADMIT (this script, small arguments), which keeps them only if they are new
+# and fit. Inside the transaction nothing else runs, so the newest n entries are the push's
+# own, and a duplicate or an over-capacity push is deleted before any reader can see it.
+# ADMIT is sent with EVAL, never EVALSHA: after a server restart an EVALSHA would fail with
+# NOSCRIPT at EXEC time, after the XADDs had run unguarded.
 #
-# KEYS: stream, stats, then one dedup key per group.  ARGV: capacity, reserve ttl, token.
+# KEYS: stream, stats, pushed-by-version, then one dedup key per group (in XADD order).
+# ARGV: capacity, dedup ttl, token, then (policy version, payload bytes) per group.
+# A dedup key holds the token of the push that added its group: a retry of the same push
+# (its reply was lost) finds its own token and reports the group added, without a second copy.
 # Capacity counts the stored entries less those trained and held until a checkpoint ('held').
-# Returns one status per group (0 new: reserved for this token, 1 already added), or {-1} if
-# another push of one of these ids is in flight, or {-2} if the groups do not fit.
-RESERVE = """
-local n = #KEYS - 2
-local status = {}
-local new = 0
+# Returns one status per group (0 added by this push, 1 a duplicate), or {-2} if the new
+# groups do not fit (nothing kept). XLEN comes first: if the stream key is not a stream, the
+# XADDs failed and the script fails before writing anything.
+ADMIT = """
+local n = #KEYS - 3
+local before = redis.call('XLEN', KEYS[1]) - n
+local status, new, drop = {}, {}, {}
 for i = 1, n do
-  local v = redis.call('GET', KEYS[i + 2])
-  if (not v) or v == ARGV[3] then
+  local v = redis.call('GET', KEYS[i + 3])
+  if not v then
     status[i] = 0
-    new = new + 1
-  elseif string.sub(v, 1, 2) == 'r:' then
-    return {-1}
+    new[#new + 1] = i
+  elseif v == ARGV[3] then
+    status[i] = 0
+    drop[#drop + 1] = i
   else
     status[i] = 1
+    drop[#drop + 1] = i
   end
 end
 local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
-if new > 0 and redis.call('XLEN', KEYS[1]) - held + new > tonumber(ARGV[1]) then return {-2} end
-for i = 1, n do
-  if status[i] == 0 then redis.call('SET', KEYS[i + 2], ARGV[3], 'EX', ARGV[2]) end
+local fits = #new == 0 or before - held + #new <= tonumber(ARGV[1])
+if not fits then drop = {} for i = 1, n do drop[i] = i end end
+if #drop > 0 then
+  local ours = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', n)
+  for _, i in ipairs(drop) do redis.call('XDEL', KEYS[1], ours[n - i + 1][1]) end
 end
-if n > new then redis.call('HINCRBY', KEYS[2], 'duplicates', n - new) end
+if not fits then return {-2} end
+local bytes, dups = 0, 0
+for _, i in ipairs(new) do
+  redis.call('SET', KEYS[i + 3], ARGV[3], 'EX', ARGV[2])
+  redis.call('HINCRBY', KEYS[3], ARGV[2 + 2 * i], 1)
+  bytes = bytes + tonumber(ARGV[3 + 2 * i])
+end
+for i = 1, n do if status[i] == 1 then dups = dups + 1 end end
+if #new > 0 then
+  redis.call('HINCRBY', KEYS[2], 'pushed', #new)
+  redis.call('HINCRBY', KEYS[2], 'bytes_pushed', bytes)
+end
+if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
 return status
+"""
+
+# KEYS: stream, stats, then one dedup key per group.  ARGV: capacity.
+# While a push waits for room: 1 if its new groups would fit now (or it has none), else 0.
+FITS = """
+local new = 0
+for i = 3, #KEYS do
+  if not redis.call('GET', KEYS[i]) then new = new + 1 end
+end
+local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
+if new == 0 or redis.call('XLEN', KEYS[1]) - held + new <= tonumber(ARGV[1]) then return 1 end
+return 0
 """
 
 # Shared by ACK and DROP, whose first five KEYS are stream, stats, uses, replay zset and

@@ -254,6 +254,129 @@ def test_a_redone_batch_with_the_same_group_ids_pushes_nothing_twice(redis_url):
     assert (stats.pushed, stats.duplicates, stats.length) == (3, 2, 3)
 
 
+def test_a_push_whose_reply_was_lost_is_sent_again_and_added_once(redis_url, monkeypatch):
+    # The transaction runs on the server, then the connection drops before its reply (a
+    # failure injected after the real call): the retry finds its own token and keeps nothing.
+    from staleflow.buffer.producer import Producer
+
+    real, lost = Producer._add, []
+
+    def reply_lost_once(self, *args):
+        status = real(self, *args)
+        if not lost:
+            lost.append(status)
+            return None
+        return status
+
+    monkeypatch.setattr(Producer, "_add", reply_lost_once)
+    buffer = ReplayBuffer(redis_url, "run")
+    assert buffer.push_many([group(prompt="a"), group(prompt="b")]) == [True, True]
+    assert lost == [[0, 0]]  # the first transaction did add both
+    stats = buffer.stats()
+    assert (stats.length, stats.pushed, stats.duplicates) == (2, 2, 0)
+    assert take_all(buffer, 5)[1] == ["a", "b"]
+
+
+def test_a_duplicate_push_is_never_visible_to_a_reader(redis_url):
+    # A duplicate's XADD runs inside the push's transaction and is deleted by it before EXEC
+    # ends: a reader polling the stream the whole time sees each group exactly once.
+    pusher = ReplayBuffer(redis_url, "run")
+    first = [group(prompt=str(i)) for i in range(20)]
+    assert pusher.push_many(first) == [True] * 20
+    reader = redis.Redis.from_url(redis_url)
+    key = pusher.stream_key
+    reader.xgroup_create(key, "spy", id="$")  # only entries added from now on
+    seen: list[bytes] = []
+    stop = threading.Event()
+
+    def spy() -> None:
+        while not stop.is_set():
+            for _, entries in reader.xreadgroup("spy", "s", {key: ">"}, block=50) or []:
+                seen.extend(fields[b"gid"] for _, fields in entries)
+
+    thread = threading.Thread(target=spy)
+    thread.start()
+    try:
+        for _ in range(10):  # every group again, one at a time and in batches
+            assert all(pusher.push(g) is False for g in first[:10])
+            assert pusher.push_many(first[10:]) == [False] * 10
+        fresh = group(prompt="new")
+        assert pusher.push_many([first[0], fresh, first[1]]) == [False, True, False]
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        thread.join()
+    assert seen == [fresh.group_id.encode()]
+    stats = pusher.stats()
+    assert (stats.length, stats.pushed, stats.duplicates) == (21, 21, 10 * 20 + 2)
+
+
+def test_capacity_is_exact_under_concurrent_producers(redis_url):
+    # Four threads push batches of 3 into room for 7: the check runs inside each push's
+    # transaction, so the stream never holds more than 7 and a refused push adds nothing.
+    capacity = 7
+    results: list[str] = []
+
+    def produce(worker: int) -> None:
+        buffer = ReplayBuffer(redis_url, "run", capacity=capacity, push_timeout_s=0.5)
+        for batch in range(3):
+            groups = [group(prompt=f"{worker}-{batch}-{i}") for i in range(3)]
+            try:
+                buffer.push_many(groups)
+                results.append("added")
+            except BufferFullError:
+                results.append("full")
+
+    threads = [threading.Thread(target=produce, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = ReplayBuffer(redis_url, "run").stats()
+    assert results.count("added") == 2
+    assert results.count("full") == 10
+    assert stats.length == stats.pushed == 6
+    assert stats.duplicates == 0
+
+
+def test_a_producer_killed_mid_push_leaves_nothing_and_blocks_nothing(redis_url):
+    # A producer dies after sending MULTI and an XADD but before EXEC: Redis discards the
+    # transaction with the connection, so nothing was added and the same group id can be
+    # pushed at once (no reservation waits to expire).
+    buffer = ReplayBuffer(redis_url, "run")
+    g = group(prompt="redone")
+    dying = redis.Redis.from_url(redis_url)
+    conn = dying.connection_pool.get_connection()
+    conn.send_packed_command(conn.pack_commands(
+        [("MULTI",), ("XADD", buffer.stream_key, "*", "gid", g.group_id, "h", b"x")]
+    ))  # fmt: skip
+    assert conn.read_response() == b"OK"
+    conn.disconnect()  # killed: EXEC never comes
+    start = time.monotonic()
+    assert buffer.push(g) is True
+    assert time.monotonic() - start < 1.0
+    assert buffer.stats().length == 1
+    assert take_all(buffer, 5)[1] == ["redone"]
+
+
+def test_take_acks_the_previous_batch_in_the_same_call(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    buffer.push_many([group(prompt=str(i)) for i in range(5)])
+    first = buffer.take(2, 0)
+    second = buffer.take(2, 0, ack=first.receipts)
+    assert [g.prompt_id for g in second.groups] == ["2", "3"]
+    assert second.acked == 2
+    assert buffer.stats().acked == 2
+    # acking again is harmless and counted as nothing; an ack with nothing left to read works
+    third = buffer.take(2, 0, ack=[*first.receipts, *second.receipts])
+    assert third.acked == 2
+    assert [g.prompt_id for g in third.groups] == ["4"]
+    last = buffer.take(2, 0, ack=third.receipts)
+    assert (last.groups, last.acked) == ([], 1)
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending) == (5, 0, 0)
+
+
 # ----------------------------------------------------------------------------- staleness, reuse
 
 
