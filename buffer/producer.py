@@ -19,6 +19,7 @@ from staleflow.buffer.records import Group
 __all__ = ["Producer"]
 
 _FULL = -2  # scripts.ADMIT: the new groups do not fit
+_LOST_REPLIES = 5  # a push whose connection drops this often in a row fails
 
 
 class Producer:
@@ -76,10 +77,17 @@ class Producer:
         dedup_keys = [self.prefix + "gid:" + g.group_id for g in groups]
         token = "t:" + uuid.uuid4().hex
         deadline = time.monotonic() + self.push_timeout_s
-        delay = 0.005
+        delay, lost = 0.005, 0
         while True:
             status = self._add(groups, entries, dedup_keys, token)
             if status is None:  # the reply was lost: the dedup keys tell whether it ran
+                lost += 1
+                if lost > _LOST_REPLIES:  # the server answers pings but drops this push
+                    raise redis.ConnectionError(
+                        f"the connection dropped during each of {lost} attempts of a push of "
+                        f"{len(groups)} groups ({sum(map(nbytes, entries)) >> 20} MB); a "
+                        "push too large for the server's client-query-buffer-limit does this"
+                    )
                 self.client.ping()  # wait for the server with the client's retries, or raise
                 continue
             if status[0] != _FULL:

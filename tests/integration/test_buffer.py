@@ -277,6 +277,19 @@ def test_a_push_whose_reply_was_lost_is_sent_again_and_added_once(redis_url, mon
     assert take_all(buffer, 5)[1] == ["a", "b"]
 
 
+def test_a_push_whose_connection_always_drops_fails_instead_of_retrying_forever(
+    redis_url, monkeypatch
+):
+    from staleflow.buffer.producer import Producer
+
+    calls = []
+    monkeypatch.setattr(Producer, "_add", lambda self, *args: calls.append(1))  # always lost
+    buffer = ReplayBuffer(redis_url, "run")
+    with pytest.raises(BufferConnectionError, match="dropped during each of 6 attempts"):
+        buffer.push(group())
+    assert len(calls) == 6
+
+
 def test_a_duplicate_push_is_never_visible_to_a_reader(redis_url):
     # A duplicate's XADD runs inside the push's transaction and is deleted by it before EXEC
     # ends: a reader polling the stream the whole time sees each group exactly once.
@@ -302,7 +315,9 @@ def test_a_duplicate_push_is_never_visible_to_a_reader(redis_url):
             assert pusher.push_many(first[10:]) == [False] * 10
         fresh = group(prompt="new")
         assert pusher.push_many([first[0], fresh, first[1]]) == [False, True, False]
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # the spy reads in order: all before it are read
+        while fresh.group_id.encode() not in seen and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         stop.set()
         thread.join()
