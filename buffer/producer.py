@@ -20,6 +20,7 @@ __all__ = ["Producer"]
 
 _FULL = -2  # scripts.ADMIT: the new groups do not fit
 _LOST_REPLIES = 5  # a push whose connection drops this often in a row fails
+_STATUS_TTL_S = 600  # how long a push's statuses are kept for a retry (far above its retries)
 
 
 class Producer:
@@ -80,7 +81,7 @@ class Producer:
         delay, lost = 0.005, 0
         while True:
             status = self._add(groups, entries, dedup_keys, token)
-            if status is None:  # the reply was lost: the dedup keys tell whether it ran
+            if status is None:  # the reply was lost: the push's status key tells if it ran
                 lost += 1
                 if lost > _LOST_REPLIES:  # the server answers pings but drops this push
                     raise redis.ConnectionError(
@@ -90,6 +91,7 @@ class Producer:
                     )
                 self.client.ping()  # wait for the server with the client's retries, or raise
                 continue
+            lost = 0
             if status[0] != _FULL:
                 return [st == 0 for st in status]
             while not self._fits(  # wait for room without resending the payload
@@ -109,23 +111,27 @@ class Producer:
         self, groups: Sequence[Group], entries: list[Fields], keys: list[str], token: str
     ) -> list[int] | None:
         """One MULTI/EXEC: XADD every group, then ADMIT keeps the new ones if they fit
-        (scripts.ADMIT). None if the connection dropped before the reply: the caller sends
-        the same transaction again, and ADMIT recognises the groups it already added.
+        (scripts.ADMIT). None if the connection failed before the reply: the caller sends
+        the same transaction again, and ADMIT returns what the first one did, if it ran.
 
         Sent as one packed write on a pooled connection and read back reply by reply:
         redis-py's transaction pipeline costs ~70 us more per push in Python (measured in
         bench/buffer.py's terms), a quarter of a single 66 KB push."""
-        args: list[Any] = [self.capacity, self.dedup_ttl_s, token]
+        args: list[Any] = [self.capacity, self.dedup_ttl_s, token, _STATUS_TTL_S]
         commands: list[tuple[Any, ...]] = [("MULTI",)]
         for g, fields in zip(groups, entries, strict=True):
             flat = [x for kv in fields.items() for x in kv]
             commands.append(("XADD", self.stream_key, "*", *flat, "v", g.policy_version,
                              "gid", g.group_id))  # fmt: skip
             args += [g.policy_version, nbytes(fields)]
-        keys = [self.stream_key, self.stats_key, self.pushed_by_version_key, *keys]
+        keys = [self.stream_key, self.stats_key, self.pushed_by_version_key,
+                self.prefix + "push:" + token, *keys]  # fmt: skip
         commands += [("EVAL", scripts.ADMIT, len(keys), *keys, *args), ("EXEC",)]
         pool = self._tx_client.connection_pool
-        conn: Any = pool.get_connection()  # redis-py leaves Connection methods untyped
+        try:  # (re)connecting is part of the attempt: a server restarting is waited for
+            conn: Any = pool.get_connection()  # redis-py leaves Connection methods untyped
+        except (redis.ConnectionError, redis.TimeoutError):
+            return None
         try:
             conn.send_packed_command(conn.pack_commands(commands))
             replies = [conn.read_response() for _ in commands]
@@ -137,8 +143,13 @@ class Producer:
             raise
         finally:
             pool.release(conn)
-        executed = replies[-1]
-        for reply in executed:
+        *added, admitted = replies[-1]
+        if isinstance(admitted, Exception):  # EXEC does not roll back: take the XADDs back
+            ids = [i for i in added if not isinstance(i, Exception)]
+            if ids:
+                self.client.xdel(self.stream_key, *ids)
+            raise admitted
+        for reply in added:
             if isinstance(reply, Exception):
                 raise reply  # see scripts.ADMIT: a failing XADD fails every one and ADMIT
-        return [int(x) for x in executed[-1]]
+        return [int(x) for x in admitted]

@@ -107,6 +107,8 @@ class ReplayBuffer:
             raise ValueError("max_reuse must be >= 1, and > 1 only with sampling='replay'")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
+        if dedup_ttl_s < 1:
+            raise ValueError(f"dedup_ttl_s must be >= 1 second, got {dedup_ttl_s}")
         if isinstance(url, str):
             self.client = connect(url)
             self.url_for_display = redact(url)
@@ -209,7 +211,8 @@ class ReplayBuffer:
         `ack`: receipts of groups whose step is committed, acked exactly as `ack` would,
         before anything is read and in the same round trip as the first read (a consumer
         that takes right after acking saves the ack's round trip); `Taken.acked` says how
-        many of them were pending."""
+        many of them were pending (fewer if the connection dropped and redis-py resent the
+        round trip after the ack had landed: acking is idempotent, the count is not)."""
         if n < 1:
             raise ValueError(f"take needs n >= 1, got {n}")
         self._ensure_group()

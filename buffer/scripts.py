@@ -15,60 +15,79 @@ from __future__ import annotations
 # ADMIT is sent with EVAL, never EVALSHA: after a server restart an EVALSHA would fail with
 # NOSCRIPT at EXEC time, after the XADDs had run unguarded.
 #
-# KEYS: stream, stats, pushed-by-version, then one dedup key per group (in XADD order).
-# ARGV: capacity, dedup ttl, token, then (policy version, payload bytes) per group.
-# A dedup key holds the token of the push that added its group: a retry of the same push
-# (its reply was lost) finds its own token and reports the group added, without a second copy.
+# KEYS: stream, stats, pushed-by-version, this push's status key, then one dedup key per group
+# (in XADD order).  ARGV: capacity, dedup ttl, token, status ttl, then (policy version,
+# payload bytes) per group.
+# A push that ran records its statuses under its own key: a retry (the reply was lost) deletes
+# its new copies and returns them, counting nothing twice. A dedup key holds the token of the
+# push that added its group (if the status key has expired, a retry still knows its own).
 # Capacity counts the stored entries less those trained and held until a checkpoint ('held').
-# Returns one status per group (0 added by this push, 1 a duplicate), or {-2} if the new
-# groups do not fit (nothing kept). XLEN comes first: if the stream key is not a stream, the
-# XADDs failed and the script fails before writing anything.
+# Returns one status per group (0 added by this push, 1 a duplicate: pushed before, or earlier
+# in this same push), or {-2} if the new groups do not fit (nothing kept, nothing recorded).
+# XLEN comes first: if the stream key is not a stream, the XADDs failed and so does this,
+# before writing anything.
 ADMIT = """
-local n = #KEYS - 3
+local n = #KEYS - 4
 local before = redis.call('XLEN', KEYS[1]) - n
-local status, new, drop = {}, {}, {}
+local function delete_ours(which)
+  if #which == 0 then return end
+  local ours = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', n)
+  for _, i in ipairs(which) do redis.call('XDEL', KEYS[1], ours[n - i + 1][1]) end
+end
+local all = {}
+for i = 1, n do all[i] = i end
+local done = redis.call('GET', KEYS[4])
+if done then
+  delete_ours(all)
+  local status = {}
+  for i = 1, n do status[i] = tonumber(string.sub(done, i, i)) end
+  return status
+end
+local status, new, drop, seen = {}, {}, {}, {}
 for i = 1, n do
-  local v = redis.call('GET', KEYS[i + 3])
-  if not v then
-    status[i] = 0
-    new[#new + 1] = i
-  elseif v == ARGV[3] then
-    status[i] = 0
-    drop[#drop + 1] = i
-  else
+  local key = KEYS[i + 4]
+  local v = redis.call('GET', key)
+  if seen[key] then
     status[i] = 1
     drop[#drop + 1] = i
+  elseif not v then
+    status[i] = 0
+    new[#new + 1] = i
+  else
+    if v == ARGV[3] then status[i] = 0 else status[i] = 1 end
+    drop[#drop + 1] = i
   end
+  seen[key] = true
 end
 local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
-local fits = #new == 0 or before - held + #new <= tonumber(ARGV[1])
-if not fits then drop = {} for i = 1, n do drop[i] = i end end
-if #drop > 0 then
-  local ours = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', n)
-  for _, i in ipairs(drop) do redis.call('XDEL', KEYS[1], ours[n - i + 1][1]) end
+if #new > 0 and before - held + #new > tonumber(ARGV[1]) then
+  delete_ours(all)
+  return {-2}
 end
-if not fits then return {-2} end
+delete_ours(drop)
 local bytes, dups = 0, 0
 for _, i in ipairs(new) do
-  redis.call('SET', KEYS[i + 3], ARGV[3], 'EX', ARGV[2])
-  redis.call('HINCRBY', KEYS[3], ARGV[2 + 2 * i], 1)
-  bytes = bytes + tonumber(ARGV[3 + 2 * i])
+  redis.call('SET', KEYS[i + 4], ARGV[3], 'EX', ARGV[2])
+  redis.call('HINCRBY', KEYS[3], ARGV[3 + 2 * i], 1)
+  bytes = bytes + tonumber(ARGV[4 + 2 * i])
 end
-for i = 1, n do if status[i] == 1 then dups = dups + 1 end end
+for i = 1, n do dups = dups + status[i] end
 if #new > 0 then
   redis.call('HINCRBY', KEYS[2], 'pushed', #new)
   redis.call('HINCRBY', KEYS[2], 'bytes_pushed', bytes)
 end
 if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
+redis.call('SET', KEYS[4], table.concat(status), 'EX', ARGV[4])
 return status
 """
 
 # KEYS: stream, stats, then one dedup key per group.  ARGV: capacity.
 # While a push waits for room: 1 if its new groups would fit now (or it has none), else 0.
 FITS = """
-local new = 0
+local new, seen = 0, {}
 for i = 3, #KEYS do
-  if not redis.call('GET', KEYS[i]) then new = new + 1 end
+  if not seen[KEYS[i]] and not redis.call('GET', KEYS[i]) then new = new + 1 end
+  seen[KEYS[i]] = true
 end
 local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
 if new == 0 or redis.call('XLEN', KEYS[1]) - held + new <= tonumber(ARGV[1]) then return 1 end

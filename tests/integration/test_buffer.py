@@ -268,13 +268,19 @@ def test_a_push_whose_reply_was_lost_is_sent_again_and_added_once(redis_url, mon
             return None
         return status
 
-    monkeypatch.setattr(Producer, "_add", reply_lost_once)
     buffer = ReplayBuffer(redis_url, "run")
-    assert buffer.push_many([group(prompt="a"), group(prompt="b")]) == [True, True]
-    assert lost == [[0, 0]]  # the first transaction did add both
+    old = group(prompt="old")
+    assert buffer.push(old) is True
+    monkeypatch.setattr(Producer, "_add", reply_lost_once)
+    assert buffer.push_many([group(prompt="a"), old, group(prompt="b")]) == [True, False, True]
+    assert lost == [[0, 1, 0]]  # the first transaction did add both new ones
     stats = buffer.stats()
-    assert (stats.length, stats.pushed, stats.duplicates) == (2, 2, 0)
-    assert take_all(buffer, 5)[1] == ["a", "b"]
+    # the retry counts nothing again: "old" is one duplicate, not two
+    assert (stats.length, stats.pushed, stats.duplicates) == (3, 3, 1)
+    assert take_all(buffer, 5)[1] == ["old", "a", "b"]
+    lost.clear()  # a push of duplicates only, its reply lost too
+    assert buffer.push_many([old]) == [False]
+    assert buffer.stats().duplicates == 2
 
 
 def test_a_push_whose_connection_always_drops_fails_instead_of_retrying_forever(
@@ -354,10 +360,36 @@ def test_capacity_is_exact_under_concurrent_producers(redis_url):
     assert stats.duplicates == 0
 
 
-def test_a_producer_killed_mid_push_leaves_nothing_and_blocks_nothing(redis_url):
+def test_the_same_group_twice_in_one_push_is_added_once(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    g = group(prompt="twice")
+    assert buffer.push_many([g, group(prompt="other"), g]) == [True, True, False]
+    stats = buffer.stats()
+    assert (stats.length, stats.pushed, stats.duplicates) == (2, 2, 1)
+    assert take_all(buffer, 5)[1] == ["twice", "other"]
+
+
+def test_a_push_while_the_server_restarts_waits_for_it(fresh_server):
+    buffer = ReplayBuffer(fresh_server.url, "run")
+    assert buffer.push(group(prompt="before")) is True
+    time.sleep(1.5)  # appendfsync everysec
+    fresh_server.kill()
+    result: list[object] = []
+    pusher = threading.Thread(target=lambda: result.append(buffer.push(group(prompt="during"))))
+    pusher.start()  # it finds the server gone and waits with the client's retries (~9 s)
+    time.sleep(1.0)
+    # restarted from this thread: the server dies with the thread that started it
+    fresh_server.start()  # same port, password, data
+    pusher.join(30)
+    assert result == [True]
+    assert take_all(buffer, 5)[1] == ["before", "during"]
+    assert buffer.stats().pushed == 2
+
+
+def test_a_producer_killed_mid_push_leaves_nothing_behind(redis_url):
     # A producer dies after sending MULTI and an XADD but before EXEC: Redis discards the
     # transaction with the connection, so nothing was added and the same group id can be
-    # pushed at once (no reservation waits to expire).
+    # pushed at once.
     buffer = ReplayBuffer(redis_url, "run")
     g = group(prompt="redone")
     dying = redis.Redis.from_url(redis_url)
@@ -372,6 +404,21 @@ def test_a_producer_killed_mid_push_leaves_nothing_and_blocks_nothing(redis_url)
     assert time.monotonic() - start < 1.0
     assert buffer.stats().length == 1
     assert take_all(buffer, 5)[1] == ["redone"]
+
+
+def test_take_with_an_ack_when_nothing_needs_reading(redis_url):
+    # Consumer B reclaims both groups a dead consumer held and hands out one; its next take
+    # needs no read (the other is pooled), so the ack goes alone and still counts.
+    buffer = ReplayBuffer(redis_url, "run")
+    buffer.push_many([group(prompt="a"), group(prompt="b")])
+    ReplayBuffer(redis_url, "run", consumer="dead").take(2, 0)
+    time.sleep(0.3)
+    b = ReplayBuffer(redis_url, "run", consumer="b", claim_idle_s=0.2)
+    first = b.take(1, 0)
+    second = b.take(1, 0, ack=first.receipts)
+    assert [g.prompt_id for g in first.groups + second.groups] == ["a", "b"]
+    assert second.acked == 1
+    assert b.stats().acked == 1
 
 
 def test_take_acks_the_previous_batch_in_the_same_call(redis_url):
@@ -542,6 +589,7 @@ def test_wrong_password_is_reported_without_retrying(redis_server):
         ({"run": "ok", "sampling": "lifo"}, "sampling"),
         ({"run": "ok", "max_reuse": 2}, "replay"),
         ({"run": "ok", "capacity": 0}, "capacity"),
+        ({"run": "ok", "dedup_ttl_s": 0}, "dedup_ttl_s must be >= 1"),
     ],
 )
 def test_bad_arguments(redis_url, kwargs, message):
