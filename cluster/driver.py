@@ -438,20 +438,22 @@ class Driver:
             self.progress.eval(step, report.accuracy)
 
     def _checkpoint(self) -> None:
-        """Checkpoint the learner with the driver's state (cluster.resume), then count the
-        groups it acked: every step up to this one is durable now."""
+        """Checkpoint the learner with the driver's state (cluster.resume), name it in LATEST,
+        then ack and count the groups it holds: every step up to this one is durable now."""
         path = self.rundir.checkpoints / f"step-{self.step:06d}"
         held = self.flow.trained - self.counts.trained  # trainings acked by this checkpoint
         state = driver_state(self, trained=self.flow.trained)
-        acked = self.learner.save(str(path), {"step": self.step, "run_id": self.run_id,
-                                              "driver": state})  # fmt: skip
+        self.learner.save(str(path), {"step": self.step, "run_id": self.run_id,
+                                      "driver": state})  # fmt: skip
+        save_old_weights(self, path)
+        # Only a checkpoint LATEST names is resumed from: its groups are acked after that.
+        self.rundir.mark_latest_checkpoint(path)
+        acked = self.learner.commit()
         if acked != held:  # 0 == 0 when every step acks its own groups (checkpoint_every 0)
             logger.error("checkpoint at step %d acked %d groups, %d were held: the summary "
                          "will not reconcile", self.step, acked, held)  # fmt: skip
         self.counts.trained += acked
         self._checkpointed = self.step
-        save_old_weights(self, path)
-        self.rundir.mark_latest_checkpoint(path)
         self.rundir.prune_checkpoints(self.cfg.run.keep_checkpoints)
         self.metrics.write("checkpoint", self.step, path=str(path), acked=acked)
 

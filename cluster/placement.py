@@ -301,6 +301,7 @@ class LearnerRank:
         # With periodic checkpoints a step's groups are acked when a checkpoint holds the step
         # (`save`), so a learner restarted from it trains them again: none is lost or doubled.
         self.defer_acks = cfg.run.checkpoint_every > 0
+        self._saved: list[Receipt] = []  # held groups the last checkpoint named
 
     def train(self, wait_s: float, publish: bool) -> StepReport:
         """One learner step on the next G groups of the buffer, if they come within `wait_s`:
@@ -402,15 +403,21 @@ class LearnerRank:
             bucket_bytes = self.cfg.sync.bucket_mb << 20
             return broadcast_send(self.sync_group, tensors, bucket_bytes, version)
 
-    def save(self, path: str, extra: dict[str, Any]) -> int:
-        """Checkpoint (every rank takes part: sharded optimizer states, ZeRO-3 gathers), then
-        ack the groups held since the last one; returns how many were acked. The checkpoint
-        names them, so a crash between the two acks them at resume instead of training them
-        again."""
-        held = self.feed.held if self.feed is not None else []
+    def save(self, path: str, extra: dict[str, Any]) -> None:
+        """Checkpoint (every rank takes part: sharded optimizer states, ZeRO-3 gathers). The
+        groups held since the last one are named in it and acked by `commit`, which the
+        driver calls once LATEST names this checkpoint: a crash before that resumes from the
+        previous checkpoint with the groups still in the buffer, a crash after it acks them
+        at resume instead of training them again."""
+        held = list(self.feed.held) if self.feed is not None else []
         acked = [[r.entry_id, r.policy_version, r.replay] for r in held]
         self.learner.save(path, {**extra, "acked": acked} if self.rank == 0 else extra)
-        return self.feed.commit() if self.feed is not None else 0
+        self._saved = held
+
+    def commit(self) -> int:
+        """Ack the groups the last `save` named (rank 0); returns how many were acked."""
+        saved, self._saved = self._saved, []
+        return self.feed.commit(saved) if self.feed is not None else 0
 
     def load(self, path: str | None, step: int) -> int:
         """Resume: restore the checkpoint at `path` (None: the initial weights, step 0); rank 0
@@ -520,11 +527,15 @@ class LearnerGroup:
         """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""
         return tuple(ray.get(self.ranks[0].settle.remote()))  # type: ignore[return-value]
 
-    def save(self, path: str, extra: dict[str, Any]) -> int:
-        """Every rank checkpoints its part; rank 0 returns how many held groups it acked.
-        Paths are made absolute here: a rank's working directory is not the driver's."""
+    def save(self, path: str, extra: dict[str, Any]) -> None:
+        """Every rank checkpoints its part (the held groups are acked by `commit`). Paths
+        are made absolute here: a rank's working directory is not the driver's."""
         path = os.path.abspath(path)
-        return int(ray.get([r.save.remote(path, extra) for r in self.ranks])[0])
+        ray.get([r.save.remote(path, extra) for r in self.ranks])
+
+    def commit(self) -> int:
+        """Once LATEST names the checkpoint: rank 0 acks the groups it named; how many."""
+        return int(ray.get(self.ranks[0].commit.remote()))
 
     def load(self, path: str | None, step: int) -> int:
         path = os.path.abspath(path) if path is not None else None

@@ -95,6 +95,44 @@ def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(
     assert [r["step"] for r in steps_of(read_metrics(run.metrics))] == [1, 2, 3, 4]
 
 
+def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
+    tmp_path, ray_local, monkeypatch
+):
+    # The driver dies after the learner wrote its checkpoint at step 4 but before LATEST named
+    # it (injected; the chaos test's driver SIGKILL once landed there). The groups of steps 3
+    # and 4 must still be in the buffer: acking them before LATEST moved lost them, and the
+    # resume from step 2 then trained later batches' groups at step 3 (a negative lag).
+    base = ["run.name=l", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1"]
+    original = RunDir.mark_latest_checkpoint
+
+    def dies_before_latest_at_step_4(self, path):
+        if path.name == "step-000004":
+            raise RuntimeError("injected: the driver died before LATEST")
+        original(self, path)
+
+    monkeypatch.setattr(RunDir, "mark_latest_checkpoint", dies_before_latest_at_step_4)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_driver(tmp_path, *base)
+    monkeypatch.undo()
+    run = RunDir(tmp_path / "l")
+    assert (run.checkpoints / "step-000004").is_dir()
+    assert run.latest_checkpoint().name == "step-000002"
+    lines = (run.trajectories / "steps.jsonl").read_text().splitlines()
+    before = {x["step"]: x["groups"] for x in map(json.loads, lines)}
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base])
+    summary = Driver(cfg, run, resume=True).run()
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 8
+    lines = (run.trajectories / "steps.jsonl").read_text().splitlines()
+    assert {x["step"]: x["groups"] for x in map(json.loads, lines)} == before
+    steps = steps_of(read_metrics(run.metrics))
+    assert [(r["step"], r["lag_min"], r["lag_max"]) for r in steps] == [
+        (t, lag(t, 1, 1), lag(t, 1, 1)) for t in range(1, 5)
+    ]
+
+
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
     # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
     base = [
