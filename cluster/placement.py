@@ -301,7 +301,6 @@ class LearnerRank:
         # With periodic checkpoints a step's groups are acked when a checkpoint holds the step
         # (`save`), so a learner restarted from it trains them again: none is lost or doubled.
         self.defer_acks = cfg.run.checkpoint_every > 0
-        self._saved: list[Receipt] = []  # held groups the last checkpoint named
 
     def train(self, wait_s: float, publish: bool) -> StepReport:
         """One learner step on the next G groups of the buffer, if they come within `wait_s`:
@@ -408,16 +407,14 @@ class LearnerRank:
         groups held since the last one are named in it and acked by `commit`, which the
         driver calls once LATEST names this checkpoint: a crash before that resumes from the
         previous checkpoint with the groups still in the buffer, a crash after it acks them
-        at resume instead of training them again."""
-        held = list(self.feed.held) if self.feed is not None else []
+        at resume instead of training them again. No step runs between the two calls."""
+        held = self.feed.held if self.feed is not None else []
         acked = [[r.entry_id, r.policy_version, r.replay] for r in held]
         self.learner.save(path, {**extra, "acked": acked} if self.rank == 0 else extra)
-        self._saved = held
 
     def commit(self) -> int:
-        """Ack the groups the last `save` named (rank 0); returns how many were acked."""
-        saved, self._saved = self._saved, []
-        return self.feed.commit(saved) if self.feed is not None else 0
+        """Ack the held groups the last `save` named (rank 0); returns how many were acked."""
+        return self.feed.commit() if self.feed is not None else 0
 
     def load(self, path: str | None, step: int) -> int:
         """Resume: restore the checkpoint at `path` (None: the initial weights, step 0); rank 0

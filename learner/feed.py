@@ -6,7 +6,7 @@ group data) and acks them once the step that used them is committed.
     feed.prefetch(version + 1, wait_s)   # the next batch is read and decoded while this step runs
     ... train on batch.groups ...
     feed.ack(batch)                      # after the optimizer step: the groups are trained
-    # or, with checkpoints: feed.hold(batch) after the step, feed.commit(receipts) once a
+    # or, with checkpoints: feed.hold(batch) after the step, feed.commit() once a
     # checkpoint holds the step (a learner restarted from an older one gets them again)
 
 Only learner rank 0 has a feed; the other ranks receive the same groups from it
@@ -104,13 +104,10 @@ class BatchFeed:
         self.buffer.hold(len(batch.receipts))
         self.held.extend(batch.receipts)
 
-    def commit(self, receipts: list[Receipt] | None = None) -> int:
-        """Ack held groups whose steps a checkpoint holds now (default: every held group);
-        returns how many were acked."""
-        done = self.held if receipts is None else receipts
-        ids = {r.entry_id for r in done}
-        self.held = [r for r in self.held if r.entry_id not in ids]
-        return self.buffer.ack(done, held=True)
+    def commit(self) -> int:
+        """Ack every held group (their steps are in a checkpoint now); returns how many."""
+        held, self.held = self.held, []
+        return self.buffer.ack(held, held=True)
 
     def drops(self) -> tuple[int, int]:
         """(stale, invalid) dropped since the last call."""
