@@ -7,8 +7,9 @@ round measures, on one Redis server:
   push:     ReplayBuffer.push(group) (encode, then one MULTI/EXEC: XADD + the admit script's
             dedup, capacity and counters) vs raw XADD of the already-encoded bytes;
   take+ack: ReplayBuffer.take(batch) + ack (reclaim, XREADGROUP, decode, Lua ack + XDEL),
-            and take(batch, ack=previous receipts) (the ack rides on the next read),
-            vs raw XREADGROUP + XACK of the same entries.
+            and take(batch, ack=previous receipts) (the ack rides on the next read), both
+            with read-ahead (the next batch is read while this one decodes), and the latter
+            without it (read_ahead=False), vs raw XREADGROUP + XACK of the same entries.
 Rounds alternate which side goes first; medians over rounds are reported, ratios last
 (targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms).
 """
@@ -135,12 +136,15 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
             ReplayBuffer(url, f"one-{r}", capacity=n_groups + 1) as one,
             ReplayBuffer(url, f"many-{r}", capacity=n_groups + 1) as many,
             ReplayBuffer(url, f"piped-{r}", capacity=n_groups + 1) as piped,
+            ReplayBuffer(url, f"serial-{r}", capacity=n_groups + 1, read_ahead=False) as serial,
         ):
             measure("sf_push_1", lambda: buffer_push(one, groups, 1))
             measure("sf_push_b", lambda: buffer_push(many, groups, batch))
             measure("sf_take", lambda: buffer_take_ack(many, batch))
             buffer_push(piped, groups, batch)
             measure("sf_take_piped", lambda: buffer_take_ack_pipelined(piped, batch))
+            buffer_push(serial, groups, batch)
+            measure("sf_take_serial", lambda: buffer_take_ack_pipelined(serial, batch))
 
     for r in range(rounds):  # alternate which side runs first
         client.flushall()
@@ -159,6 +163,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         (f"raw XREADGROUP+XACK by {batch}", "raw_take"),
         (f"staleflow take({batch})+ack", "sf_take"),
         (f"staleflow take({batch}, ack=previous)", "sf_take_piped"),
+        ("  the same without read-ahead", "sf_take_serial"),
     ]:
         print(f"{label:34}{med[key]:10.0f}{med[key] * mb_per_group:10.1f}")
     print(f"encode+decode one group: {codec_ms:.3f} ms (median of 100; target < 1 ms)")
@@ -167,6 +172,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         (f"push, batches of {batch}", "sf_push_b", "raw_push_b"),
         ("take+ack          ", "sf_take", "raw_take"),
         ("take, ack piggyback", "sf_take_piped", "raw_take"),
+        ("  no read-ahead    ", "sf_take_serial", "raw_take"),
     ]:
         print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
 

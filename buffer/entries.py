@@ -60,7 +60,7 @@ class BufferStats:
     capacity: int
     length: int  # entries stored: undelivered + pending + kept for replay
     undelivered: int  # never handed to a consumer
-    pending: int  # handed out, not yet acked (includes replays in flight)
+    pending: int  # delivered to a consumer (handed out or read ahead), not acked; replays too
     replayable: int  # acked, may be trained on again
     pushed: int
     duplicates: int  # pushes refused as already present

@@ -50,6 +50,7 @@ from staleflow.buffer.entries import (
     parse_fields,
     text,
 )
+from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.producer import Producer
 from staleflow.buffer.records import Group
 from staleflow.buffer.staleness import trainable
@@ -80,6 +81,7 @@ class ReplayBuffer:
     Groups a consumer holds (taken, not yet acked) are never handed out to it again; another
     consumer reclaims them after `claim_idle_s`, so with several learner processes it must
     exceed the longest time one holds a group (a step, plus the prefetch before it).
+    `read_ahead` (see `take`) keeps up to one take's worth of entries delivered ahead.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class ReplayBuffer:
         claim_idle_s: float = 60.0,
         consumer: str | None = None,
         dedup_ttl_s: int = 24 * 3600,
+        read_ahead: bool = True,
     ) -> None:
         if not _RUN_NAME.match(run):
             raise ValueError(
@@ -125,6 +128,7 @@ class ReplayBuffer:
         self.max_reuse = max_reuse
         self.max_staleness = max_staleness
         self.claim_idle_s = claim_idle_s
+        self.read_ahead = read_ahead
         self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
         prefix = f"staleflow:{run}:"
@@ -172,6 +176,8 @@ class ReplayBuffer:
         self._held: set[str] = set()
         self._last_claim = 0.0
         self._group_ready = False
+        # A read-ahead whose reply was lost: its entries are pending under this consumer.
+        self._lost_read = False
 
     @classmethod
     def from_config(cls, cfg: Any, url: str | redis.Redis, run: str, **kwargs: Any) -> ReplayBuffer:
@@ -208,11 +214,19 @@ class ReplayBuffer:
         """Up to `n` groups trainable at `learner_version`, waiting up to `timeout_s` for
         `n` to be available. Stale groups met on the way are dropped and counted.
 
-        `ack`: receipts of groups whose step is committed, acked exactly as `ack` would,
-        before anything is read and in the same round trip as the first read (a consumer
-        that takes right after acking saves the ack's round trip); `Taken.acked` says how
-        many of them were pending (fewer if the connection dropped and redis-py resent the
-        round trip after the ack had landed: acking is idempotent, the count is not)."""
+        Read-ahead (on unless the buffer was made with `read_ahead=False`; not with
+        `freshest`, which reads everything anyway): while this take decodes, the server is
+        already delivering up to `n` more entries to this consumer for the next take. They
+        wait in the local pool, pending in Redis under this consumer's name (so a crash
+        loses none: `recover` or another consumer's reclaim gets them back), and the
+        staleness rule is applied to them when a take hands them out.
+
+        `ack`: receipts of groups whose step is committed, acked exactly as `ack` would, in
+        the same round trip as this take's read (with read-ahead, the read of the next
+        take's entries: a consumer that takes right after acking saves the ack's round
+        trip); `Taken.acked` says how many of them were pending (fewer if the connection
+        dropped and the ack was sent again after it had landed: acking is idempotent, the
+        count is not)."""
         if n < 1:
             raise ValueError(f"take needs n >= 1, got {n}")
         self._ensure_group()
@@ -222,9 +236,10 @@ class ReplayBuffer:
         ack_args, acked = self._ack_args(ack, held=False), 0
         while True:
             self._reclaim_if_due()
+            stale += self._drop_stale_pooled(learner_version)  # read ahead, stale by now
             read, ack_result = self._refill(n - len(taken), deadline, ack_args)
-            if ack_args:
-                acked, ack_args = self._acked(ack_args, ack_result), None
+            if ack_result is not None:
+                acked, ack_args = self._acked(ack_args or [], ack_result), None
             stale += self._drop_stale_pooled(learner_version)
             for entry_id in self._select(n - len(taken)):
                 version, fields = self._pool.pop(entry_id)
@@ -237,6 +252,23 @@ class ReplayBuffer:
             # (stale drops can eat a read; the next one may have fresh groups).
             if len(taken) >= n or (read == 0 and time.monotonic() >= deadline):
                 break
+        # The ack not sent yet and the read of the next take's entries go out now; their
+        # replies are read after decoding, so the server works while this process decodes.
+        ahead = self._send_ahead(n, ack_args)
+        try:
+            groups, receipts, bad = self._decode(taken)
+        finally:
+            late = self._finish_ahead(ahead, ack_args)
+        if ack_args:
+            acked = self._acked(ack_args, late)
+        if bad:
+            invalid = self._drop_entries(bad, "invalid")
+        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid, acked=acked)
+
+    def _decode(
+        self, taken: list[tuple[str, int, dict[bytes, bytes], bool]]
+    ) -> tuple[list[Group], list[Receipt], list[tuple[str, bool, str]]]:
+        """Decode taken entries: (groups, their receipts, (entry, replay, error) of the bad)."""
         groups, receipts = [], []
         bad: list[tuple[str, bool, str]] = []
         for entry_id, version, fields, replay in taken:
@@ -253,9 +285,7 @@ class ReplayBuffer:
             receipts.append(Receipt(entry_id, version, replay))
             if not replay:
                 self._held.add(entry_id)
-        if bad:
-            invalid = self._drop_entries(bad, "invalid")
-        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid, acked=acked)
+        return groups, receipts, bad
 
     @translate_errors
     def ack(self, receipts: Iterable[Receipt], held: bool = False) -> int:
@@ -285,6 +315,7 @@ class ReplayBuffer:
         self._ensure_group()
         self._pool.clear()
         self._held.clear()
+        self._lost_read = False  # everything pending is claimed below, this consumer's too
         start, count = "0-0", 0
         while True:
             start, claimed, *_ = self.client.xautoclaim(
@@ -369,6 +400,7 @@ class ReplayBuffer:
         keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
         self._pool.clear()
         self._held.clear()
+        self._lost_read = False
         self._group_ready = False
         return int(self.client.delete(*keys)) if keys else 0
 
@@ -438,10 +470,13 @@ class ReplayBuffer:
         """Read new entries into the pool: what fifo needs, or everything for freshest.
         Blocks (until the deadline, 5 s at most per call) only if the pool cannot cover
         `need`. With `ack_args`, scripts.ACK runs first, in the same round trip. Returns
-        (entries read, the ack's result or None)."""
+        (entries read, the ack's result, or None if nothing was sent: the pool covers
+        `need`, and the ack waits for the next send)."""
+        if self._lost_read:
+            self._reread_own()
         want = self.capacity if self.sampling == "freshest" else need - len(self._pool)
         if want <= 0:
-            return 0, self._ack(keys=self._ack_keys, args=ack_args) if ack_args else None
+            return 0, None
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         block = min(remaining_ms, 5000) if len(self._pool) < need else None
         pipe = self.client.pipeline(transaction=False)
@@ -453,10 +488,14 @@ class ReplayBuffer:
         *ack_result, reply = pipe.execute(raise_on_error=False)
         if ack_result and isinstance(ack_result[0], Exception):
             raise ack_result[0]
+        return self._pool_read(reply), ack_result[0] if ack_result else None
+
+    def _pool_read(self, reply: Any) -> int:
+        """Put the entries of an XREADGROUP reply into the pool; how many there were."""
         if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
             self._group_ready = False  # the server lost the group (restart without AOF)
             self._ensure_group()
-            return 0, ack_result[0] if ack_result else None
+            return 0
         if isinstance(reply, Exception):
             raise reply
         count = 0
@@ -464,7 +503,57 @@ class ReplayBuffer:
             for entry_id, fields in entries:
                 self._pool[text(entry_id)] = parse_fields(fields)
                 count += 1
-        return count, ack_result[0] if ack_result else None
+        return count
+
+    def _send_ahead(self, n: int, ack_args: list[Any] | None) -> InFlight | None:
+        """Send the ack still due, and a read of what the next take of `n` will want (fifo
+        and replay: `n` more than the pool holds), without waiting for the replies."""
+        commands: list[tuple[Any, ...]] = []
+        if ack_args:
+            commands.append(("EVAL", scripts.ACK, len(self._ack_keys), *self._ack_keys,
+                             *ack_args))  # fmt: skip
+        want = n - len(self._pool) if self.read_ahead and self.sampling != "freshest" else 0
+        if want > 0:
+            commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.consumer, "COUNT", want,
+                             "STREAMS", self.stream_key, ">"))  # fmt: skip
+        return InFlight.send(self.client, commands) if commands else None
+
+    def _finish_ahead(self, ahead: InFlight | None, ack_args: list[Any] | None) -> Any:
+        """Read what `_send_ahead` sent; returns the ack's result (None if none was sent).
+        A lost connection loses nothing: the ack is redone (it is idempotent), and entries
+        the read may have delivered are read again from this consumer's pending list by
+        the next take (`_reread_own`)."""
+        if ahead is None:
+            return None
+        replies = ahead.replies()
+        if replies is None:
+            self._lost_read = self._lost_read or len(ahead.commands) > bool(ack_args)
+            return self._ack(keys=self._ack_keys, args=ack_args) if ack_args else None
+        ack_result = replies.pop(0) if ack_args else None
+        if replies:
+            self._pool_read(replies[0])  # before raising an ack error: nothing read is lost
+        if isinstance(ack_result, Exception):
+            raise ack_result
+        return ack_result
+
+    def _reread_own(self) -> None:
+        """Entries delivered to this consumer whose reply never arrived are still pending
+        under its name: read them again (XREADGROUP from id 0 reads only its own pending
+        list), all but those it handed out and holds."""
+        start = "0"
+        while True:
+            reply: Any = self.client.xreadgroup(
+                GROUP_NAME, self.consumer, {self.stream_key: start}, count=256
+            )
+            entries = reply[0][1] if reply else []
+            if not entries:
+                break
+            for entry_id, fields in entries:
+                key = text(entry_id)
+                if fields and key not in self._held:  # deleted entries come back empty
+                    self._pool.setdefault(key, parse_fields(fields))
+            start = text(entries[-1][0])
+        self._lost_read = False
 
     def _select(self, k: int) -> list[str]:
         if k <= 0 or not self._pool:

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from staleflow.buffer.connection import BufferConnectionError
+from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.records import Group, Response
 from staleflow.buffer.replay import BufferFullError, ReplayBuffer
 
@@ -75,14 +76,18 @@ def test_many_producer_processes_one_consumer_exactly_once(redis_url):
     assert (stats.length, stats.pending, stats.undelivered) == (0, 0, 0)
 
 
-def test_fifo_order_and_receipts(redis_url):
-    buffer = ReplayBuffer(redis_url, "run")
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_fifo_order_and_receipts(redis_url, read_ahead):
+    buffer = ReplayBuffer(redis_url, "run", read_ahead=read_ahead)
     for i in range(5):
         buffer.push(group(prompt=str(i)))
     taken, ids = take_all(buffer, 3)
     assert ids == ["0", "1", "2"]
     assert [r.policy_version for r in taken.receipts] == [0, 0, 0]
-    assert buffer.stats().pending == 3
+    # read-ahead: the other 2 were delivered to this consumer while it decoded the first 3
+    assert (buffer.stats().pending, buffer.stats().undelivered) == (
+        (5, 0) if read_ahead else (3, 2)
+    )
     assert buffer.ack(taken.receipts) == 3
     assert buffer.ack(taken.receipts) == 0  # acking twice changes nothing
     assert take_all(buffer, 3)[1] == ["3", "4"]
@@ -219,7 +224,7 @@ def test_held_groups_leave_the_capacity_and_come_back_to_a_restarted_learner(red
     # the learner restarts from a checkpoint before those steps: everything delivered and
     # not acked comes back, oldest first, ahead of anything new; nothing else
     restarted = ReplayBuffer(redis_url, "run", consumer="learner", capacity=4)
-    assert restarted.recover() == 3
+    assert restarted.recover() == 4  # 0, 1 held, 2 staged, 3 read ahead by the first take
     assert restarted.stats().held == 0
     taken, ids = take_all(restarted, 10)
     assert ids == ["0", "1", "2", "3", "4", "5"]
@@ -437,6 +442,76 @@ def test_take_acks_the_previous_batch_in_the_same_call(redis_url):
     assert (last.groups, last.acked) == ([], 1)
     stats = buffer.stats()
     assert (stats.acked, stats.length, stats.pending) == (5, 0, 0)
+
+
+def _drop_the_read_ahead_reply(monkeypatch, times: int = 1) -> list[int]:
+    """The next `times` read-aheads reach the server, which runs them (the sleep), and then
+    their connection closes before the replies are read: the process never sees them."""
+    real_send = InFlight.send.__func__
+    dropped: list[int] = []
+
+    def send_then_drop(cls, client, commands):
+        call = real_send(cls, client, commands)
+        if len(dropped) < times and call._conn is not None:
+            time.sleep(0.2)
+            call._conn.disconnect()
+            dropped.append(len(commands))
+        return call
+
+    monkeypatch.setattr(InFlight, "send", classmethod(send_then_drop))
+    return dropped
+
+
+def test_a_lost_read_ahead_is_read_again_at_once_not_after_claim_idle(redis_url, monkeypatch):
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600)
+    buffer.push_many([group(prompt=str(i)) for i in range(6)])
+    dropped = _drop_the_read_ahead_reply(monkeypatch)
+    first = buffer.take(2, 0)  # its read-ahead delivers 2 and 3, but the reply is lost
+    assert dropped == [1]
+    assert [g.prompt_id for g in first.groups] == ["0", "1"]
+    # 2 and 3 are pending under this consumer, in no pool: the next take reads its own
+    # pending list first, so they come now and in order, not after 600 s of claim_idle_s
+    second = buffer.take(2, 0, ack=first.receipts)
+    assert [g.prompt_id for g in second.groups] == ["2", "3"]
+    third = buffer.take(2, 0, ack=second.receipts)
+    assert [g.prompt_id for g in third.groups] == ["4", "5"]
+    assert buffer.take(2, 0, ack=third.receipts).groups == []
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending, stats.undelivered) == (6, 0, 0, 0)
+
+
+def test_an_ack_whose_reply_was_lost_with_the_read_ahead_is_applied_once(redis_url, monkeypatch):
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600)
+    buffer.push_many([group(prompt=str(i)) for i in range(6)])
+    first = buffer.take(2, 0)  # 2, 3 read ahead into the pool
+    dropped = _drop_the_read_ahead_reply(monkeypatch)
+    second = buffer.take(2, 0, ack=first.receipts)  # the ack and the read of 4, 5: lost
+    assert dropped == [2]
+    assert [g.prompt_id for g in second.groups] == ["2", "3"]
+    # the ack had run on the server; sent again, it finds nothing pending (Taken.acked
+    # counts what the resent ack found), and the server's count is not doubled
+    assert second.acked == 0
+    assert buffer.stats().acked == 2
+    third = buffer.take(2, 0, ack=second.receipts)
+    assert [g.prompt_id for g in third.groups] == ["4", "5"]
+    buffer.ack(third.receipts)
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending) == (6, 0, 0)
+
+
+def test_read_ahead_entries_meet_the_staleness_rule_when_handed_out(redis_url):
+    # Read ahead at learner version 0, handed out at 1: with max_staleness 0 they are stale
+    # then, so they are dropped and counted, never returned.
+    buffer = ReplayBuffer(redis_url, "run", max_staleness=0)
+    buffer.push_many([group(version=0, prompt=str(i)) for i in range(4)])
+    buffer.push(group(version=1, prompt="fresh"))
+    first = buffer.take(2, learner_version=0)
+    assert [g.prompt_id for g in first.groups] == ["0", "1"]
+    assert buffer.stats().undelivered == 1  # 2 and 3 were read ahead; "fresh" was not
+    later = buffer.take(2, learner_version=1)
+    assert [g.prompt_id for g in later.groups] == ["fresh"]
+    assert later.dropped_stale == 2
+    assert buffer.stats().dropped_stale == 2
 
 
 # ----------------------------------------------------------------------------- staleness, reuse
