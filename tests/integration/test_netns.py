@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,11 +44,24 @@ def _can_make_namespaces() -> str | None:
     for tool in ("ip", "unshare", "mount"):
         if shutil.which(tool) is None:
             return f"needs {tool} (iproute2 / util-linux)"
+    # Everything Nodes.up needs, tried once in a throwaway namespace: a container can allow
+    # `ip netns add` and still refuse a bridge, a veth pair or a mount namespace.
     probe = f"sfprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False)
+    steps = [
+        ["ip", "netns", "add", probe],
+        ["ip", "-n", probe, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", probe, "link", "add", "va", "type", "veth", "peer", "name", "vb"],
+        ["ip", "-n", probe, "link", "set", "va", "master", "br0", "up"],
+        ["unshare", "--mount", "--propagation", "private", "mount", "-t", "tmpfs", "none",
+         tempfile.gettempdir()],
+    ]  # fmt: skip
+    try:
+        for step in steps:
+            done = subprocess.run(step, capture_output=True, text=True, timeout=30)
+            if done.returncode != 0:
+                return f"{' '.join(step[:4])} failed here: {done.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
     return None
 
 
