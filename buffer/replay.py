@@ -80,8 +80,9 @@ class ReplayBuffer:
     have its own `consumer` name (default: host, pid and a random suffix).
     Groups a consumer holds (taken, not yet acked) are never handed out to it again; another
     consumer reclaims them after `claim_idle_s`, so with several learner processes it must
-    exceed the longest time one holds a group (a step, plus the prefetch before it).
-    `read_ahead` (see `take`) keeps up to one take's worth of entries delivered ahead.
+    exceed the longest time one holds a group: a step, plus the prefetch before it, plus
+    (with `read_ahead`, see `take`) the step before that, since entries read ahead wait in
+    the consumer's pool for a take.
     """
 
     def __init__(
@@ -256,9 +257,16 @@ class ReplayBuffer:
         # replies are read after decoding, so the server works while this process decodes.
         ahead = self._send_ahead(n, ack_args)
         try:
-            groups, receipts, bad = self._decode(taken)
-        finally:
-            late = self._finish_ahead(ahead, ack_args)
+            try:
+                groups, receipts, bad = self._decode(taken)
+            finally:
+                late = self._finish_ahead(ahead, ack_args)
+        except BaseException:  # nothing is handed out: the next take offers these again
+            for entry_id, version, fields, replay in taken:
+                if not replay:
+                    self._held.discard(entry_id)
+                    self._pool.setdefault(entry_id, (version, fields))
+            raise
         if ack_args:
             acked = self._acked(ack_args, late)
         if bad:
@@ -525,9 +533,14 @@ class ReplayBuffer:
         the next take (`_reread_own`)."""
         if ahead is None:
             return None
-        replies = ahead.replies()
+        read_sent = len(ahead.commands) > bool(ack_args)
+        try:
+            replies = ahead.replies()
+        except BaseException:  # unparseable: whatever the read delivered is found again
+            self._lost_read = self._lost_read or read_sent
+            raise
         if replies is None:
-            self._lost_read = self._lost_read or len(ahead.commands) > bool(ack_args)
+            self._lost_read = self._lost_read or read_sent
             return self._ack(keys=self._ack_keys, args=ack_args) if ack_args else None
         ack_result = replies.pop(0) if ack_args else None
         if replies:
@@ -540,17 +553,27 @@ class ReplayBuffer:
         """Entries delivered to this consumer whose reply never arrived are still pending
         under its name: read them again (XREADGROUP from id 0 reads only its own pending
         list), all but those it handed out and holds."""
+        # Held as of before the read: a group acked meanwhile (by another thread) has left
+        # `_held` but may be in the reply, and must not be handed out again.
+        held = set(self._held)
         start = "0"
         while True:
-            reply: Any = self.client.xreadgroup(
-                GROUP_NAME, self.consumer, {self.stream_key: start}, count=256
-            )
+            try:
+                reply: Any = self.client.xreadgroup(
+                    GROUP_NAME, self.consumer, {self.stream_key: start}, count=256
+                )
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                self._group_ready = False  # the server lost the group, and this list with it
+                self._ensure_group()
+                break
             entries = reply[0][1] if reply else []
             if not entries:
                 break
             for entry_id, fields in entries:
                 key = text(entry_id)
-                if fields and key not in self._held:  # deleted entries come back empty
+                if fields and key not in held:  # deleted entries come back empty
                     self._pool.setdefault(key, parse_fields(fields))
             start = text(entries[-1][0])
         self._lost_read = False

@@ -499,6 +499,65 @@ def test_an_ack_whose_reply_was_lost_with_the_read_ahead_is_applied_once(redis_u
     assert (stats.acked, stats.length, stats.pending) == (6, 0, 0)
 
 
+def test_a_lost_read_ahead_then_a_server_that_lost_everything_recovers(redis_url, monkeypatch):
+    # As after a restart without persistence: the stream, its group and this consumer's
+    # pending list are gone when the next take wants to read the lost entries again.
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600)
+    buffer.push_many([group(prompt=str(i)) for i in range(4)])
+    _drop_the_read_ahead_reply(monkeypatch)
+    assert [g.prompt_id for g in buffer.take(2, 0).groups] == ["0", "1"]
+    buffer.client.delete(buffer.stream_key)
+    buffer.push_many([group(prompt="new")])
+    assert [g.prompt_id for g in buffer.take(2, 0).groups] == ["new"]  # not NOGROUP, forever
+
+
+def test_a_group_acked_while_a_lost_read_is_read_again_is_not_handed_out_twice(
+    redis_url, monkeypatch
+):
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600)
+    buffer.push_many([group(prompt=str(i)) for i in range(4)])
+    _drop_the_read_ahead_reply(monkeypatch)
+    first = buffer.take(2, 0)  # 0, 1 held; the read of 2, 3 lost
+    real = buffer.client.xreadgroup
+
+    def ack_lands_right_after_the_read(*args, **kwargs):
+        reply = real(*args, **kwargs)
+        if "0" in args[2].values() and first.receipts:  # the re-read of the pending list
+            buffer.ack(first.receipts)  # the learner's thread acks 0, 1 meanwhile
+            first.receipts.clear()
+        return reply
+
+    monkeypatch.setattr(buffer.client, "xreadgroup", ack_lands_right_after_the_read)
+    assert [g.prompt_id for g in buffer.take(2, 0).groups] == ["2", "3"]
+    assert buffer.take(2, 0).groups == []  # 0 and 1 were trained and acked: never again
+    assert buffer.stats().acked == 2
+
+
+def test_a_take_that_fails_after_decoding_hands_nothing_out_and_loses_nothing(
+    redis_url, monkeypatch
+):
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600)
+    buffer.push_many([group(prompt=str(i)) for i in range(4)])
+    real = InFlight.replies
+
+    def unreadable(self):
+        real(self)  # the replies arrive, then cannot be understood
+        raise redis.InvalidResponse("injected: garbled reply")
+
+    monkeypatch.setattr(InFlight, "replies", unreadable)
+    with pytest.raises(redis.InvalidResponse):
+        buffer.take(2, 0)
+    monkeypatch.setattr(InFlight, "replies", real)
+    # 0, 1 were decoded but never returned: offered again, then the read-ahead's 2, 3
+    second = buffer.take(2, 0)
+    assert [g.prompt_id for g in second.groups] == ["0", "1"]
+    third = buffer.take(2, 0, ack=second.receipts)
+    assert [g.prompt_id for g in third.groups] == ["2", "3"]
+    buffer.ack(third.receipts)
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending) == (4, 0, 0)
+
+
 def test_read_ahead_entries_meet_the_staleness_rule_when_handed_out(redis_url):
     # Read ahead at learner version 0, handed out at 1: with max_staleness 0 they are stale
     # then, so they are dropped and counted, never returned.
