@@ -434,6 +434,15 @@ class ReplayBuffer:
                 raise
         self._group_ready = True
 
+    def _regroup(self, error: redis.ResponseError) -> bool:
+        """True if `error` says the server lost the consumer group (a restart without AOF);
+        the group is then made again."""
+        if "NOGROUP" not in str(error):
+            return False
+        self._group_ready = False
+        self._ensure_group()
+        return True
+
     def _ack_args(self, receipts: Iterable[Receipt], held: bool) -> list[Any] | None:
         """scripts.ACK's ARGV for these receipts, or None if there are none."""
         args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
@@ -500,9 +509,7 @@ class ReplayBuffer:
 
     def _pool_read(self, reply: Any) -> int:
         """Put the entries of an XREADGROUP reply into the pool; how many there were."""
-        if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
-            self._group_ready = False  # the server lost the group (restart without AOF)
-            self._ensure_group()
+        if isinstance(reply, redis.ResponseError) and self._regroup(reply):
             return 0
         if isinstance(reply, Exception):
             raise reply
@@ -563,11 +570,9 @@ class ReplayBuffer:
                     GROUP_NAME, self.consumer, {self.stream_key: start}, count=256
                 )
             except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not self._regroup(exc):
                     raise
-                self._group_ready = False  # the server lost the group, and this list with it
-                self._ensure_group()
-                break
+                break  # this consumer's pending list went with the group
             entries = reply[0][1] if reply else []
             if not entries:
                 break
