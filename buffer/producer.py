@@ -12,7 +12,7 @@ import redis
 
 from staleflow.buffer import scripts
 from staleflow.buffer.codec import encode_fields
-from staleflow.buffer.connection import translate_errors
+from staleflow.buffer.connection import Pinned, translate_errors
 from staleflow.buffer.entries import BufferFullError, Fields, nbytes
 from staleflow.buffer.records import Group
 
@@ -51,6 +51,7 @@ class Producer:
         self.push_timeout_s = push_timeout_s
         self.dedup_ttl_s = dedup_ttl_s
         self._fits = client.register_script(scripts.FITS)
+        self._lane = Pinned(tx_client)
 
     def push(self, group: Group) -> bool:
         """Append one group; True if added, False if this group id was already pushed.
@@ -114,9 +115,9 @@ class Producer:
         (scripts.ADMIT). None if the connection failed before the reply: the caller sends
         the same transaction again, and ADMIT returns what the first one did, if it ran.
 
-        Sent as one packed write on a pooled connection and read back reply by reply:
-        redis-py's transaction pipeline costs ~70 us more per push in Python (measured in
-        bench/buffer.py's terms), a quarter of a single 66 KB push."""
+        Sent as one packed write on a pinned connection and read back reply by reply:
+        redis-py's transaction pipeline costs ~70 us more per push in Python, a quarter of a
+        single 66 KB push, and taking a pooled connection ~20 us (connection.Pinned)."""
         args: list[Any] = [self.capacity, self.dedup_ttl_s, token, _STATUS_TTL_S]
         commands: list[tuple[Any, ...]] = [("MULTI",)]
         for g, fields in zip(groups, entries, strict=True):
@@ -127,9 +128,8 @@ class Producer:
         keys = [self.stream_key, self.stats_key, self.pushed_by_version_key,
                 self.prefix + "push:" + token, *keys]  # fmt: skip
         commands += [("EVAL", scripts.ADMIT, len(keys), *keys, *args), ("EXEC",)]
-        pool = self._tx_client.connection_pool
         try:  # (re)connecting is part of the attempt: a server restarting is waited for
-            conn: Any = pool.get_connection()  # redis-py leaves Connection methods untyped
+            conn = self._lane.acquire()
         except (redis.ConnectionError, redis.TimeoutError):
             return None
         try:
@@ -142,7 +142,7 @@ class Producer:
             conn.disconnect()
             raise
         finally:
-            pool.release(conn)
+            self._lane.release(conn)
         *added, admitted = replies[-1]
         if isinstance(admitted, Exception):  # EXEC does not roll back: take the XADDs back
             ids = [i for i in added if not isinstance(i, Exception)]

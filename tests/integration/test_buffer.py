@@ -365,6 +365,46 @@ def test_capacity_is_exact_under_concurrent_producers(redis_url):
     assert stats.duplicates == 0
 
 
+def test_threads_pushing_through_one_buffer_never_share_a_connection(redis_url):
+    # push keeps one connection pinned; a thread finding it busy takes a pooled one. Were
+    # two transactions interleaved on one connection, their replies would cross: a push
+    # would fail or return the other's statuses.
+    buffer = ReplayBuffer(redis_url, "run", capacity=1000)
+    results: list[list[bool]] = []
+    errors: list[BaseException] = []
+
+    def produce(worker: int) -> None:
+        try:
+            for i in range(40):
+                batch = [group(prompt=f"{worker}-{i}-{j}") for j in range(1 + i % 3)]
+                results.append(buffer.push_many(batch + batch[:1]))  # one duplicate each
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(results) == 160
+    assert all(r == [True] * (len(r) - 1) + [False] for r in results)
+    # 4 workers x (14 x 1 + 13 x 2 + 13 x 3 = 79) groups, and one duplicate per push
+    stats = buffer.stats()
+    assert (stats.pushed, stats.duplicates, stats.length) == (4 * 79, 160, 4 * 79)
+
+
+def test_a_closed_buffer_leaves_no_connection_open(redis_url):
+    admin = redis.Redis.from_url(redis_url)
+    before = len(admin.client_list())
+    buffer = ReplayBuffer(redis_url, "run")
+    buffer.push_many([group(prompt=str(i)) for i in range(3)])  # the pinned connection
+    take_all(buffer, 2)  # pooled ones, and the read-ahead's
+    assert len(admin.client_list()) > before
+    buffer.close()
+    assert len(admin.client_list()) == before
+
+
 def test_the_same_group_twice_in_one_push_is_added_once(redis_url):
     buffer = ReplayBuffer(redis_url, "run")
     g = group(prompt="twice")
