@@ -34,7 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/hadolint docker/Dockerfile.cpu docker/Dockerfile.gpu
-	$(VENV)/bin/shellcheck .ci/run docker/build.sh cluster/launch/slurm.sh
+	$(VENV)/bin/shellcheck .ci/run docker/build.sh cluster/launch/slurm.sh bench/gpu.sh
 	$(MAKE) --no-print-directory typecheck
 
 # Debian's redis-server (not auto-started: staleflow and the tests start their own).

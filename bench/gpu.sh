@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Every GPU check the project owes, in parts that each fit a 10-minute command, so a short
+# loan of a GPU machine is spent measuring, not typing. Run from the project root on a machine
+# with an NVIDIA GPU, CUDA torch, Ray, DeepSpeed, redis-server and (for the vllm parts) vLLM:
+#
+#   bash bench/gpu.sh tests          # pytest -m gpu: learner on CUDA, both engines, 1-GPU runs
+#   bash bench/gpu.sh quickstart     # staleflow train configs/quickstart-gpu.yaml (vLLM)
+#   bash bench/gpu.sh pipeline-vllm  # bench/pipeline.py, SmolLM2, lock-step vs async, vLLM
+#   bash bench/gpu.sh pipeline-hf    # the same with the hf engine
+#   bash bench/gpu.sh sync           # bench/sync.py: weight publish + load, SmolLM2
+#   bash bench/gpu.sh all            # every part, one after the other
+#
+# Each part writes PART.log under $OUT (default ./gpu-results; the quickstart also its run
+# directory, less checkpoints and Redis data), ends with a line "== PART: rc=N in S s", and
+# is cut at its own time limit (PART_LIMIT_S, default 540 s): one hang never eats the next.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|sync|all"
+part=${1:?$usage}
+out=${OUT:-gpu-results}
+limit=${PART_LIMIT_S:-540}
+python=${PYTHON:-python3}
+mkdir -p "$out"
+
+if ! nvidia-smi >"$out/nvidia-smi.txt" 2>&1; then
+    echo "bench/gpu.sh: nvidia-smi failed (see $out/nvidia-smi.txt): no GPU to measure on" >&2
+    exit 2
+fi
+
+# run NAME COMMAND...: COMMAND under `timeout`, its output shown and kept in $out/NAME.log.
+run() {
+    local name=$1 start=$SECONDS rc
+    shift
+    echo "== $name: $*" | tee "$out/$name.log"
+    timeout --kill-after=20 "$limit" "$@" 2>&1 | tee -a "$out/$name.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 124 ] && echo "== $name: cut at ${limit} s (PART_LIMIT_S)" | tee -a "$out/$name.log"
+    echo "== $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$out/$name.log"
+    return "$rc"
+}
+
+# One GPU shared the way configs/quickstart-gpu.yaml shares it: learner 0.5, one worker 0.5.
+share=(--workers 1 --gpus-per-rank 0.5 --gpus-per-worker 0.5)
+
+one() {
+    case $1 in
+        tests) run tests "$python" -m pytest -m gpu -q -p no:cacheprovider ;;
+        quickstart)
+            run quickstart staleflow train configs/quickstart-gpu.yaml \
+                "run.output_dir=$out/runs" run.checkpoint_every=0
+            local rc=$?
+            rm -rf "$out"/runs/*/checkpoints "$out"/runs/*/redis  # hundreds of MB, not results
+            return "$rc" ;;
+        pipeline-vllm)
+            run pipeline-vllm "$python" bench/pipeline.py --model smollm2 --engine vllm \
+                --steps 20 "${share[@]}" ;;
+        pipeline-hf)
+            run pipeline-hf "$python" bench/pipeline.py --model smollm2 --engine hf \
+                --steps 20 "${share[@]}" ;;
+        sync) run sync "$python" bench/sync.py --model smollm2-135m ;;
+        *) echo "$usage" >&2; return 2 ;;
+    esac
+}
+
+if [ "$part" = all ]; then
+    status=0
+    for p in tests quickstart pipeline-vllm pipeline-hf sync; do
+        one "$p" || status=1
+    done
+    exit "$status"
+fi
+one "$part"
