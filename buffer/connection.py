@@ -81,6 +81,7 @@ class Pinned:
     connection (it reconnects on its next send), before `release`."""
 
     def __init__(self, client: redis.Redis) -> None:
+        self.client = client
         self._pool = client.connection_pool
         self._conn: Any = None
         self._lock = threading.Lock()

@@ -1,10 +1,11 @@
 """Commands sent now and read later, so the caller works while the server answers.
 
-    call = InFlight.send(client, [("EVAL", ...), ("XREADGROUP", ...)])
+    call = InFlight.send(lane, [("EVAL", ...), ("XREADGROUP", ...)])  # lane: a Pinned
     ... decode what the last reply brought ...
     replies = call.replies()   # one per command (an error reply as its exception), or None
 
-The replay buffer's `take` uses it to read the next batch while it decodes this one: on a
+The producer sends each push's transaction with it, and the replay buffer's `take` uses it
+to read the next batch while it decodes this one: on a
 small machine the round trip and the server's work are then hidden behind the decode instead
 of added to it (bench/buffer.py). A connection that fails, on sending or on reading, is not
 retried here: `replies()` returns None and the caller recovers (what it sent must be safe to
@@ -18,37 +19,38 @@ from typing import Any
 
 import redis
 
+from staleflow.buffer.connection import Pinned
+
 __all__ = ["InFlight"]
 
 _LOST = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 class InFlight:
-    """Commands written on a pooled connection whose replies are not read yet."""
+    """Commands written on a connection of a `Pinned` lane whose replies are not read yet."""
 
-    def __init__(self, client: redis.Redis, conn: Any, commands: Sequence[tuple[Any, ...]]):
-        self._client, self._conn, self.commands = client, conn, commands
+    def __init__(self, lane: Pinned, conn: Any, commands: Sequence[tuple[Any, ...]]) -> None:
+        self._lane, self._conn, self.commands = lane, conn, commands
 
     @classmethod
-    def send(cls, client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> InFlight:
-        """Write `commands` in one packed send on a connection taken from the client's pool
-        (held until `replies`)."""
-        pool = client.connection_pool
+    def send(cls, lane: Pinned, commands: Sequence[tuple[Any, ...]]) -> InFlight:
+        """Write `commands` in one packed send on a connection of `lane` (held until
+        `replies`)."""
         try:
-            conn: Any = pool.get_connection()  # redis-py leaves Connection methods untyped
+            conn = lane.acquire()
         except _LOST:
-            return cls(client, None, commands)
+            return cls(lane, None, commands)
         try:
             conn.send_packed_command(conn.pack_commands(commands))
         except _LOST:
             conn.disconnect()
-            pool.release(conn)
-            return cls(client, None, commands)
+            lane.release(conn)
+            return cls(lane, None, commands)
         except BaseException:
             conn.disconnect()
-            pool.release(conn)
+            lane.release(conn)
             raise
-        return cls(client, conn, commands)
+        return cls(lane, conn, commands)
 
     def replies(self) -> list[Any] | None:
         """The replies, parsed as redis-py's own commands would return them; an error reply
@@ -58,7 +60,7 @@ class InFlight:
         if conn is None:
             return None
         out: list[Any] = []
-        parse: Any = self._client.parse_response  # untyped in redis-py
+        parse: Any = self._lane.client.parse_response  # untyped in redis-py
         try:
             for name, *_ in self.commands:
                 try:
@@ -72,5 +74,5 @@ class InFlight:
             conn.disconnect()
             raise
         finally:
-            self._client.connection_pool.release(conn)
+            self._lane.release(conn)
         return out

@@ -14,6 +14,7 @@ from staleflow.buffer import scripts
 from staleflow.buffer.codec import encode_fields
 from staleflow.buffer.connection import Pinned, translate_errors
 from staleflow.buffer.entries import BufferFullError, Fields, nbytes
+from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.records import Group
 
 __all__ = ["Producer"]
@@ -42,7 +43,7 @@ class Producer:
         dedup_ttl_s: int,
         url_for_display: str = "?",
     ) -> None:
-        self.client, self._tx_client = client, tx_client
+        self.client = client
         self.url_for_display = url_for_display  # errors name the server, password masked
         self.run, self.prefix = run, prefix
         self.stream_key, self.stats_key = stream_key, stats_key
@@ -115,9 +116,9 @@ class Producer:
         (scripts.ADMIT). None if the connection failed before the reply: the caller sends
         the same transaction again, and ADMIT returns what the first one did, if it ran.
 
-        Sent as one packed write on a pinned connection and read back reply by reply:
-        redis-py's transaction pipeline costs ~70 us more per push in Python, a quarter of a
-        single 66 KB push, and taking a pooled connection ~20 us (connection.Pinned)."""
+        Sent as one packed write on a pinned connection (InFlight) and read back reply by
+        reply: redis-py's transaction pipeline costs ~70 us more per push in Python, a quarter
+        of a single 66 KB push, and taking a pooled connection ~20 us (connection.Pinned)."""
         args: list[Any] = [self.capacity, self.dedup_ttl_s, token, _STATUS_TTL_S]
         commands: list[tuple[Any, ...]] = [("MULTI",)]
         for g, fields in zip(groups, entries, strict=True):
@@ -128,21 +129,13 @@ class Producer:
         keys = [self.stream_key, self.stats_key, self.pushed_by_version_key,
                 self.prefix + "push:" + token, *keys]  # fmt: skip
         commands += [("EVAL", scripts.ADMIT, len(keys), *keys, *args), ("EXEC",)]
-        try:  # (re)connecting is part of the attempt: a server restarting is waited for
-            conn = self._lane.acquire()
-        except (redis.ConnectionError, redis.TimeoutError):
+        # (Re)connecting is part of the attempt: a server restarting is waited for.
+        replies = InFlight.send(self._lane, commands).replies()
+        if replies is None:
             return None
-        try:
-            conn.send_packed_command(conn.pack_commands(commands))
-            replies = [conn.read_response() for _ in commands]
-        except (redis.ConnectionError, redis.TimeoutError):
-            conn.disconnect()
-            return None
-        except BaseException:  # an error reply (the transaction was refused): unread replies
-            conn.disconnect()
-            raise
-        finally:
-            self._lane.release(conn)
+        for reply in replies:  # a refused transaction: its first refusal, then EXECABORT
+            if isinstance(reply, Exception):
+                raise reply
         *added, admitted = replies[-1]
         if isinstance(admitted, Exception):  # EXEC does not roll back: take the XADDs back
             ids = [i for i in added if not isinstance(i, Exception)]

@@ -34,6 +34,7 @@ from staleflow.buffer import scripts
 from staleflow.buffer.codec import RecordError, decode_fields
 from staleflow.buffer.connection import (
     BufferConnectionError,
+    Pinned,
     connect,
     translate_errors,
     without_retries,
@@ -123,6 +124,7 @@ class ReplayBuffer:
         # Transactions must never be resent blindly (a resent EXEC could add twice), so they
         # go through a client whose connections do not retry; push_many recovers instead.
         self._tx_client = without_retries(self.client)
+        self._lane = Pinned(self.client)  # take's read-ahead (InFlight)
         self.run = run
         self.capacity = capacity
         self.sampling: Sampling = sampling
@@ -531,7 +533,7 @@ class ReplayBuffer:
         if want > 0:
             commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.consumer, "COUNT", want,
                              "STREAMS", self.stream_key, ">"))  # fmt: skip
-        return InFlight.send(self.client, commands) if commands else None
+        return InFlight.send(self._lane, commands) if commands else None
 
     def _finish_ahead(self, ahead: InFlight | None, ack_args: list[Any] | None) -> Any:
         """Read what `_send_ahead` sent; returns the ack's result (None if none was sent).

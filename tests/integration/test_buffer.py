@@ -405,6 +405,21 @@ def test_a_closed_buffer_leaves_no_connection_open(redis_url):
     assert len(admin.client_list()) == before
 
 
+def test_a_push_the_server_refuses_raises_its_reason_and_adds_nothing(redis_url):
+    buffer = ReplayBuffer(redis_url, "run")
+    admin = redis.Redis.from_url(redis_url)
+    assert buffer.push(group(prompt="before")) is True
+    admin.config_set("maxmemory", 1)  # noeviction: each XADD is refused as it is queued
+    try:
+        with pytest.raises(redis.ResponseError, match="maxmemory"):  # the refusal, no EXECABORT
+            buffer.push(group(prompt="refused"))
+    finally:
+        admin.config_set("maxmemory", 0)
+    assert buffer.push(group(prompt="after")) is True  # the pinned connection still works
+    assert take_all(buffer, 5)[1] == ["before", "after"]
+    assert buffer.stats().pushed == 2
+
+
 def test_the_same_group_twice_in_one_push_is_added_once(redis_url):
     buffer = ReplayBuffer(redis_url, "run")
     g = group(prompt="twice")
@@ -490,8 +505,8 @@ def _drop_the_read_ahead_reply(monkeypatch, times: int = 1) -> list[int]:
     real_send = InFlight.send.__func__
     dropped: list[int] = []
 
-    def send_then_drop(cls, client, commands):
-        call = real_send(cls, client, commands)
+    def send_then_drop(cls, lane, commands):
+        call = real_send(cls, lane, commands)
         if len(dropped) < times and call._conn is not None:
             time.sleep(0.2)
             call._conn.disconnect()
