@@ -11,7 +11,10 @@ round measures, on one Redis server:
             with read-ahead (the next batch is read while this one decodes), and the latter
             without it (read_ahead=False), vs raw XREADGROUP + XACK of the same entries.
 Rounds alternate which side goes first; medians over rounds are reported, ratios last
-(targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms).
+(targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms). Also side by side:
+push on its pinned connection vs through the pool (the pinned one held, as by another
+thread). Last, the server's own time per call (INFO commandstats): the admit script per
+push, the ack script per ack of `batch`, and an empty EVAL.
 """
 
 from __future__ import annotations
@@ -137,8 +140,14 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
             ReplayBuffer(url, f"many-{r}", capacity=n_groups + 1) as many,
             ReplayBuffer(url, f"piped-{r}", capacity=n_groups + 1) as piped,
             ReplayBuffer(url, f"serial-{r}", capacity=n_groups + 1, read_ahead=False) as serial,
+            ReplayBuffer(url, f"pooled-{r}", capacity=n_groups + 1) as pooled,
         ):
             measure("sf_push_1", lambda: buffer_push(one, groups, 1))
+            lane = pooled._producer._lane  # held here, so each push takes a pooled connection
+            lane.release(lane.acquire())  # (connected first, as the pinned one is by now)
+            pinned = lane.acquire()
+            measure("sf_push_pooled", lambda: buffer_push(pooled, groups, 1))
+            lane.release(pinned)
             measure("sf_push_b", lambda: buffer_push(many, groups, batch))
             measure("sf_take", lambda: buffer_take_ack(many, batch))
             buffer_push(piped, groups, batch)
@@ -152,6 +161,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         first(r)
         second(r)
     client.flushall()
+    server = server_costs(url, client, groups, batch)
 
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"{'':34}{'groups/s':>10}{'MB/s':>10}")
@@ -175,6 +185,33 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         ("  no read-ahead    ", "sf_take_serial", "raw_take"),
     ]:
         print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
+    print(f"push on its pinned connection / through the pool: "
+          f"{med['sf_push_1'] / med['sf_push_pooled']:.2f}x")  # fmt: skip
+    print(
+        "server time per call (us): admit script {admit:.1f} per push, ack script {ack:.1f} "
+        "per {batch} acked, an empty EVAL {empty:.1f}".format(batch=batch, **server)
+    )
+
+
+def server_costs(url: str, client: redis.Redis, groups: list[Group], batch: int) -> dict:
+    """Microseconds the server spends per call (INFO commandstats): the admit script (push
+    uses EVAL), the ack script (ack uses EVALSHA) and `return 1` by EVAL."""
+    with ReplayBuffer(url, "server-warm-up", capacity=batch, read_ahead=False) as b:
+        buffer_push(b, groups[:batch], 1)  # the ack script is loaded: no NOSCRIPT below
+        buffer_take_ack(b, batch)
+    client.config_resetstat()
+    with ReplayBuffer(url, "server-costs", capacity=len(groups) + 1, read_ahead=False) as b:
+        buffer_push(b, groups, 1)
+        buffer_take_ack(b, batch)
+    stats = client.info("commandstats")
+    admit = stats["cmdstat_eval"]["usec_per_call"]
+    ack = stats["cmdstat_evalsha"]["usec_per_call"]
+    client.config_resetstat()
+    for _ in range(len(groups)):
+        client.eval("return 1", 0)
+    empty = client.info("commandstats")["cmdstat_eval"]["usec_per_call"]
+    client.flushall()
+    return {"admit": admit, "ack": ack, "empty": empty}
 
 
 def main() -> int:

@@ -72,8 +72,8 @@ def without_retries(client: redis.Redis) -> redis.Redis:
 
 class Pinned:
     """One connection of a client's pool kept for a hot path. Taking a connection from the
-    pool and giving it back costs ~20 us (a lock, and a poll of the socket for stray data):
-    pushing one 66 KB group is ~8-11% faster without (bench/buffer.py's push, side by side).
+    pool and giving it back costs a lock and a poll of the socket for stray data: pushing
+    one 66 KB group is 1.01-1.15x faster without (bench/buffer.py, pinned / pooled).
     One thread at a time gets the pinned connection; a caller that finds it busy gets a
     pooled one, so concurrent callers never wait on each other. Closing the pool closes it.
 

@@ -118,7 +118,7 @@ class Producer:
 
         Sent as one packed write on a pinned connection (InFlight) and read back reply by
         reply: redis-py's transaction pipeline costs ~70 us more per push in Python, a quarter
-        of a single 66 KB push, and taking a pooled connection ~20 us (connection.Pinned)."""
+        of a single 66 KB push, and taking a pooled connection more (connection.Pinned)."""
         args: list[Any] = [self.capacity, self.dedup_ttl_s, token, _STATUS_TTL_S]
         commands: list[tuple[Any, ...]] = [("MULTI",)]
         for g, fields in zip(groups, entries, strict=True):
