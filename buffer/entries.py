@@ -1,5 +1,6 @@
-"""What the replay buffer hands out and reports, and how its stream entries are read
-(staleflow.buffer.replay has the buffer itself, staleflow.buffer.producer the push side)."""
+"""What the replay buffer hands out and reports, its keys, and how its stream entries are read
+(staleflow.buffer.replay has the buffer itself, .producer the push side, .consumer the
+learner side)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ __all__ = [
     "BufferStats",
     "Fields",
     "Receipt",
+    "RunKeys",
     "Taken",
     "id_key",
     "int_map",
@@ -26,6 +28,30 @@ __all__ = [
 
 GROUP_NAME = "learner"  # the stream's consumer group
 Fields = dict[str, bytes | memoryview]
+
+
+class RunKeys:
+    """The Redis keys of one run's buffer, all under `staleflow:<run>:` (runs can share a
+    server)."""
+
+    def __init__(self, run: str) -> None:
+        self.prefix = p = f"staleflow:{run}:"
+        self.stream = p + "stream"  # one entry per group
+        self.stats = p + "stats"  # counters (a hash)
+        self.uses = p + "uses"  # replay: entry -> trainings so far
+        self.replay = p + "replay"  # replay: the replayable entries, scored by uses
+        self.replay_pending = p + "replay:pending"  # replay: entries out for training
+        self.invalid = p + "invalid"  # entries that did not decode, with the error
+        self.pushed_by_version = p + "versions:pushed"
+        self.trained_by_version = p + "versions:trained"
+        # The first KEYS of the ack and drop scripts (scripts._RELEASE relies on the order).
+        self.entry = [self.stream, self.stats, self.uses, self.replay, self.replay_pending]
+
+    def dedup(self, group_id: str) -> str:
+        return self.prefix + "gid:" + group_id
+
+    def push_status(self, token: str) -> str:
+        return self.prefix + "push:" + token
 
 
 class BufferFullError(TimeoutError):

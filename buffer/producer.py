@@ -13,7 +13,7 @@ import redis
 from staleflow.buffer import scripts
 from staleflow.buffer.codec import encode_fields
 from staleflow.buffer.connection import Pinned, translate_errors
-from staleflow.buffer.entries import BufferFullError, Fields, nbytes
+from staleflow.buffer.entries import BufferFullError, Fields, RunKeys, nbytes
 from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.records import Group
 
@@ -25,19 +25,15 @@ _STATUS_TTL_S = 600  # how long a push's statuses are kept for a retry (far abov
 
 
 class Producer:
-    """Appends groups to one run's stream (the ReplayBuffer names its keys; the dedup keys
-    go under `prefix`); see `push_many`."""
+    """Appends groups to one run's stream; see `push_many`."""
 
     def __init__(
         self,
         client: redis.Redis,
         tx_client: redis.Redis,
         run: str,
-        prefix: str,
+        keys: RunKeys,
         *,
-        stream_key: str,
-        stats_key: str,
-        pushed_by_version_key: str,
         capacity: int,
         push_timeout_s: float,
         dedup_ttl_s: int,
@@ -45,9 +41,7 @@ class Producer:
     ) -> None:
         self.client = client
         self.url_for_display = url_for_display  # errors name the server, password masked
-        self.run, self.prefix = run, prefix
-        self.stream_key, self.stats_key = stream_key, stats_key
-        self.pushed_by_version_key = pushed_by_version_key
+        self.run, self.keys = run, keys
         self.capacity = capacity
         self.push_timeout_s = push_timeout_s
         self.dedup_ttl_s = dedup_ttl_s
@@ -77,7 +71,7 @@ class Producer:
                 f"cannot push {len(groups)} groups into a buffer of capacity {self.capacity}"
             )
         entries = [encode_fields(g) for g in groups]
-        dedup_keys = [self.prefix + "gid:" + g.group_id for g in groups]
+        dedup_keys = [self.keys.dedup(g.group_id) for g in groups]
         token = "t:" + uuid.uuid4().hex
         deadline = time.monotonic() + self.push_timeout_s
         delay, lost = 0.005, 0
@@ -97,7 +91,7 @@ class Producer:
             if status[0] != _FULL:
                 return [st == 0 for st in status]
             while not self._fits(  # wait for room without resending the payload
-                keys=[self.stream_key, self.stats_key, *dedup_keys], args=[self.capacity]
+                keys=[self.keys.stream, self.keys.stats, *dedup_keys], args=[self.capacity]
             ):
                 if time.monotonic() >= deadline:
                     raise BufferFullError(
@@ -123,11 +117,11 @@ class Producer:
         commands: list[tuple[Any, ...]] = [("MULTI",)]
         for g, fields in zip(groups, entries, strict=True):
             flat = [x for kv in fields.items() for x in kv]
-            commands.append(("XADD", self.stream_key, "*", *flat, "v", g.policy_version,
+            commands.append(("XADD", self.keys.stream, "*", *flat, "v", g.policy_version,
                              "gid", g.group_id))  # fmt: skip
             args += [g.policy_version, nbytes(fields)]
-        keys = [self.stream_key, self.stats_key, self.pushed_by_version_key,
-                self.prefix + "push:" + token, *keys]  # fmt: skip
+        k = self.keys
+        keys = [k.stream, k.stats, k.pushed_by_version, k.push_status(token), *keys]
         commands += [("EVAL", scripts.ADMIT, len(keys), *keys, *args), ("EXEC",)]
         # (Re)connecting is part of the attempt: a server restarting is waited for.
         replies = InFlight.send(self._lane, commands).replies()
@@ -140,7 +134,7 @@ class Producer:
         if isinstance(admitted, Exception):  # EXEC does not roll back: take the XADDs back
             ids = [i for i in added if not isinstance(i, Exception)]
             if ids:
-                self.client.xdel(self.stream_key, *ids)
+                self.client.xdel(self.keys.stream, *ids)
             raise admitted
         for reply in added:
             if isinstance(reply, Exception):

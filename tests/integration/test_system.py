@@ -127,12 +127,12 @@ def test_two_learner_ranks_train_on_groups_that_never_pass_through_the_driver(
     # M = 2 data-parallel ranks (gloo between two Ray actors): rank 0 takes each batch from
     # the buffer and hands it to rank 1. The driver (this process) must never decode a group:
     # its decoders are replaced by ones that fail the run.
-    from staleflow.buffer import codec, replay
+    from staleflow.buffer import codec, consumer
 
     def refuse(*args, **kwargs):
         raise AssertionError("the driver process decoded a group")
 
-    for module, name in ((codec, "decode"), (codec, "decode_fields"), (replay, "decode_fields")):
+    for module, name in ((codec, "decode"), (codec, "decode_fields"), (consumer, "decode_fields")):
         monkeypatch.setattr(module, name, refuse)
     _, run, summary, records = run_driver(
         tmp_path, "learner.num_ranks=2", "sync.offset=1", "run.steps=4"

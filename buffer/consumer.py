@@ -1,0 +1,418 @@
+"""The learner side of the replay buffer: `take`, `ack`, `hold`, `recover` (design:
+docs/architecture.md, "The replay buffer"). Hands every group out exactly once, drops what
+the staleness rule forbids (counted), and moves what does not decode to the invalid stream.
+
+Entries come from Redis into a local pool (they stay pending under this consumer's name, so
+a crash loses none) and leave it when a take hands them out; handed-out entries are `held`
+until acked. Three things fill the pool: a take's read (with read-ahead, the next take's read
+goes out while this one decodes, see `InFlight`), reclaiming what a dead consumer left
+pending, and re-reading this consumer's own pending list after a read's reply was lost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import redis
+
+from staleflow.buffer import scripts
+from staleflow.buffer.codec import RecordError, decode_fields
+from staleflow.buffer.connection import Pinned, translate_errors
+from staleflow.buffer.entries import (
+    GROUP_NAME,
+    Receipt,
+    RunKeys,
+    Taken,
+    id_key,
+    now_ms,
+    parse_fields,
+    text,
+)
+from staleflow.buffer.inflight import InFlight
+from staleflow.buffer.records import Group
+from staleflow.buffer.staleness import trainable
+
+__all__ = ["Consumer", "Sampling"]
+
+Sampling = Literal["fifo", "freshest", "replay"]
+# A taken entry: (entry id, policy version, its fields, handed out as a replay)
+_Entry = tuple[str, int, dict[bytes, bytes], bool]
+
+
+class Consumer:
+    """One learner process's consumer of a run's stream (ReplayBuffer documents the
+    options); see `take`."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RunKeys,
+        name: str,
+        *,
+        capacity: int,
+        sampling: Sampling,
+        max_reuse: int,
+        max_staleness: int | None,
+        claim_idle_s: float,
+        read_ahead: bool,
+        url_for_display: str = "?",
+    ) -> None:
+        self.client, self.keys, self.name = client, keys, name
+        self.url_for_display = url_for_display  # errors name the server, password masked
+        self.capacity, self.sampling = capacity, sampling
+        self.max_reuse, self.max_staleness = max_reuse, max_staleness
+        self.claim_idle_s, self.read_ahead = claim_idle_s, read_ahead
+        self._lane = Pinned(client)  # the read-ahead's connection (InFlight)
+        self._ack_keys = [*keys.entry, keys.trained_by_version]
+        self._ack = client.register_script(scripts.ACK)
+        self._drop = client.register_script(scripts.DROP)
+        self._replay_take = client.register_script(scripts.REPLAY_TAKE)
+        self._replay_reclaim = client.register_script(scripts.REPLAY_RECLAIM)
+        # Entries delivered to this consumer but not yet handed out: entry id -> (version,
+        # payload). They stay pending in Redis, so they are reclaimed if this process dies.
+        self._pool: dict[str, tuple[int, dict[bytes, bytes]]] = {}
+        # Entries this consumer handed out and has not acked: still pending under its name in
+        # Redis, so XAUTOCLAIM would return them to it; they must not be handed out twice.
+        self._held: set[str] = set()
+        self._last_claim = 0.0
+        self._group_ready = False
+        # A read-ahead whose reply was lost: its entries are pending under this consumer.
+        self._lost_read = False
+
+    # ------------------------------------------------------------------------- take
+
+    @translate_errors
+    def take(
+        self, n: int, learner_version: int, timeout_s: float = 0.0, ack: Sequence[Receipt] = ()
+    ) -> Taken:
+        """See ReplayBuffer.take."""
+        if n < 1:
+            raise ValueError(f"take needs n >= 1, got {n}")
+        self._ensure_group()
+        deadline = time.monotonic() + timeout_s
+        stale = invalid = 0
+        taken: list[_Entry] = []
+        ack_args, acked = self._ack_args(ack, held=False), 0
+        while True:
+            self._reclaim_if_due()
+            stale += self._drop_stale_pooled(learner_version)  # read ahead, stale by now
+            read, ack_result = self._refill(n - len(taken), deadline, ack_args)
+            if ack_result is not None:
+                acked, ack_args = self._acked(ack_args or [], ack_result), None
+            stale += self._drop_stale_pooled(learner_version)
+            for entry_id in self._select(n - len(taken)):
+                version, fields = self._pool.pop(entry_id)
+                taken.append((entry_id, version, fields, False))
+            if len(taken) < n and self.sampling == "replay":
+                replays, dropped = self._take_replays(n - len(taken), learner_version)
+                taken.extend(replays)
+                stale += dropped
+            # Keep going while short and either time remains or the last read found entries
+            # (stale drops can eat a read; the next one may have fresh groups).
+            if len(taken) >= n or (read == 0 and time.monotonic() >= deadline):
+                break
+        # The ack not sent yet and the read of the next take's entries go out now; their
+        # replies are read after decoding, so the server works while this process decodes.
+        ahead = self._send_ahead(n, ack_args)
+        try:
+            try:
+                groups, receipts, bad = self._decode(taken)
+            finally:
+                late = self._finish_ahead(ahead, ack_args)
+        except BaseException:  # nothing is handed out: the next take offers these again
+            for entry_id, version, fields, replay in taken:
+                if not replay:
+                    self._held.discard(entry_id)
+                    self._pool.setdefault(entry_id, (version, fields))
+            raise
+        if ack_args:
+            acked = self._acked(ack_args, late)
+        if bad:
+            invalid = self._drop_entries(bad, "invalid")
+        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid, acked=acked)
+
+    def _decode(
+        self, taken: list[_Entry]
+    ) -> tuple[list[Group], list[Receipt], list[tuple[str, bool, str]]]:
+        """Decode taken entries: (groups, their receipts, (entry, replay, error) of the bad)."""
+        groups, receipts = [], []
+        bad: list[tuple[str, bool, str]] = []
+        for entry_id, version, fields, replay in taken:
+            try:
+                group = decode_fields(fields)
+                if group.policy_version != version:
+                    raise RecordError(
+                        "policy_version", f"{group.policy_version} but the entry says {version}"
+                    )
+            except RecordError as exc:
+                bad.append((entry_id, replay, str(exc)))
+                continue
+            groups.append(group)
+            receipts.append(Receipt(entry_id, version, replay))
+            if not replay:
+                self._held.add(entry_id)
+        return groups, receipts, bad
+
+    def _select(self, k: int) -> list[str]:
+        if k <= 0 or not self._pool:
+            return []
+        if self.sampling == "freshest":
+            order = sorted(self._pool, key=lambda i: (self._pool[i][0], id_key(i)), reverse=True)
+        else:
+            order = sorted(self._pool, key=id_key)
+        return order[:k]
+
+    # ------------------------------------------------------------------------- ack, hold, recover
+
+    @translate_errors
+    def ack(self, receipts: Iterable[Receipt], held: bool = False) -> int:
+        """See ReplayBuffer.ack."""
+        args = self._ack_args(receipts, held)
+        if not args:
+            return 0
+        return self._acked(args, self._ack(keys=self._ack_keys, args=args))
+
+    @translate_errors
+    def hold(self, n: int) -> None:
+        """See ReplayBuffer.hold."""
+        if n > 0:
+            self.client.hincrby(self.keys.stats, "held", n)
+
+    @translate_errors
+    def recover(self) -> int:
+        """See ReplayBuffer.recover."""
+        self.forget()  # everything pending is claimed below, this consumer's too
+        self._ensure_group()
+        count = self._claim(idle_ms=0)
+        if self.sampling == "replay":
+            self._replay_reclaim(
+                keys=[self.keys.replay, self.keys.replay_pending, self.keys.uses],
+                args=[now_ms(), 0],
+            )
+        self.client.hset(self.keys.stats, "held", 0)
+        self._last_claim = time.monotonic()
+        return count
+
+    def forget(self) -> None:
+        """Drop the local state (pool, held entries; Redis still has them pending), and check
+        the consumer group again at the next take."""
+        self._pool.clear()
+        self._held.clear()
+        self._lost_read = False
+        self._group_ready = False
+
+    def _ack_args(self, receipts: Iterable[Receipt], held: bool) -> list[Any] | None:
+        """scripts.ACK's ARGV for these receipts, or None if there are none."""
+        args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
+        for r in receipts:
+            args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
+        return args if len(args) > 3 else None
+
+    def _acked(self, args: list[Any], result: Any) -> int:
+        """After scripts.ACK ran: its receipts are no longer held here; how many it acked."""
+        for i in range(3, len(args), 3):
+            self._held.discard(args[i])
+        return int(result)
+
+    # ------------------------------------------------------------------------- the pool
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.client.xgroup_create(self.keys.stream, GROUP_NAME, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def _regroup(self, error: redis.ResponseError) -> bool:
+        """True if `error` says the server lost the consumer group (a restart without AOF);
+        the group is then made again."""
+        if "NOGROUP" not in str(error):
+            return False
+        self._group_ready = False
+        self._ensure_group()
+        return True
+
+    def _claim(self, idle_ms: int) -> int:
+        """Take over every entry pending (to any consumer, this one included) for at least
+        `idle_ms` into the pool, except those this consumer holds; how many came."""
+        start, count = "0-0", 0
+        while True:  # XAUTOCLAIM's cursor only moves forward through the pending list
+            start, claimed, *_ = self.client.xautoclaim(
+                self.keys.stream, GROUP_NAME, self.name, idle_ms, start_id=start, count=256
+            )
+            for entry_id, fields in claimed:
+                entry = text(entry_id)
+                # deleted entries come back empty; held ones are in a step or staged already
+                if fields and entry not in self._held and entry not in self._pool:
+                    self._pool[entry] = parse_fields(fields)
+                    count += 1
+            if text(start) == "0-0":
+                return count
+
+    def _reclaim_if_due(self) -> None:
+        """Take over entries a dead consumer left pending, at most every claim_idle_s / 4."""
+        now = time.monotonic()
+        if now - self._last_claim < self.claim_idle_s / 4:
+            return
+        self._last_claim = now
+        idle_ms = int(self.claim_idle_s * 1000)
+        self._claim(idle_ms)
+        if self.sampling == "replay":
+            self._replay_reclaim(
+                keys=[self.keys.replay, self.keys.replay_pending, self.keys.uses],
+                args=[now_ms(), idle_ms],
+            )
+
+    def _refill(
+        self, need: int, deadline: float, ack_args: list[Any] | None = None
+    ) -> tuple[int, Any]:
+        """Read new entries into the pool: what fifo needs, or everything for freshest.
+        Blocks (until the deadline, 5 s at most per call) only if the pool cannot cover
+        `need`. With `ack_args`, scripts.ACK runs first, in the same round trip. Returns
+        (entries read, the ack's result, or None if nothing was sent: the pool covers
+        `need`, and the ack waits for the next send)."""
+        if self._lost_read:
+            self._reread_own()
+        want = self.capacity if self.sampling == "freshest" else need - len(self._pool)
+        if want <= 0:
+            return 0, None
+        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        block = min(remaining_ms, 5000) if len(self._pool) < need else None
+        pipe = self.client.pipeline(transaction=False)
+        if ack_args:  # EVAL, not the registered script: a pipeline would check it exists
+            pipe.eval(scripts.ACK, len(self._ack_keys), *self._ack_keys, *ack_args)
+        pipe.xreadgroup(
+            GROUP_NAME, self.name, {self.keys.stream: ">"}, count=want, block=block or None
+        )
+        *ack_result, reply = pipe.execute(raise_on_error=False)
+        if ack_result and isinstance(ack_result[0], Exception):
+            raise ack_result[0]
+        return self._pool_read(reply), ack_result[0] if ack_result else None
+
+    def _pool_read(self, reply: Any) -> int:
+        """Put the entries of an XREADGROUP reply into the pool; how many there were."""
+        if isinstance(reply, redis.ResponseError) and self._regroup(reply):
+            return 0
+        if isinstance(reply, Exception):
+            raise reply
+        count = 0
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                self._pool[text(entry_id)] = parse_fields(fields)
+                count += 1
+        return count
+
+    def _send_ahead(self, n: int, ack_args: list[Any] | None) -> InFlight | None:
+        """Send the ack still due, and a read of what the next take of `n` will want (fifo
+        and replay: `n` more than the pool holds), without waiting for the replies."""
+        commands: list[tuple[Any, ...]] = []
+        if ack_args:
+            commands.append(("EVAL", scripts.ACK, len(self._ack_keys), *self._ack_keys,
+                             *ack_args))  # fmt: skip
+        want = n - len(self._pool) if self.read_ahead and self.sampling != "freshest" else 0
+        if want > 0:
+            commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.name, "COUNT", want,
+                             "STREAMS", self.keys.stream, ">"))  # fmt: skip
+        return InFlight.send(self._lane, commands) if commands else None
+
+    def _finish_ahead(self, ahead: InFlight | None, ack_args: list[Any] | None) -> Any:
+        """Read what `_send_ahead` sent; returns the ack's result (None if none was sent).
+        A lost connection loses nothing: the ack is redone (it is idempotent), and entries
+        the read may have delivered are read again from this consumer's pending list by
+        the next take (`_reread_own`)."""
+        if ahead is None:
+            return None
+        read_sent = len(ahead.commands) > bool(ack_args)
+        try:
+            replies = ahead.replies()
+        except BaseException:  # unparseable: whatever the read delivered is found again
+            self._lost_read = self._lost_read or read_sent
+            raise
+        if replies is None:
+            self._lost_read = self._lost_read or read_sent
+            return self._ack(keys=self._ack_keys, args=ack_args) if ack_args else None
+        ack_result = replies.pop(0) if ack_args else None
+        if replies:
+            self._pool_read(replies[0])  # before raising an ack error: nothing read is lost
+        if isinstance(ack_result, Exception):
+            raise ack_result
+        return ack_result
+
+    def _reread_own(self) -> None:
+        """Entries delivered to this consumer whose reply never arrived are still pending
+        under its name: read them again (XREADGROUP from id 0 reads only its own pending
+        list), all but those it handed out and holds."""
+        # Held as of before the read: a group acked meanwhile (by another thread) has left
+        # `_held` but may be in the reply, and must not be handed out again.
+        held = set(self._held)
+        start = "0"
+        while True:
+            try:
+                reply: Any = self.client.xreadgroup(
+                    GROUP_NAME, self.name, {self.keys.stream: start}, count=256
+                )
+            except redis.ResponseError as exc:
+                if not self._regroup(exc):
+                    raise
+                break  # this consumer's pending list went with the group
+            entries = reply[0][1] if reply else []
+            if not entries:
+                break
+            for entry_id, fields in entries:
+                key = text(entry_id)
+                if fields and key not in held:  # deleted entries come back empty
+                    self._pool.setdefault(key, parse_fields(fields))
+            start = text(entries[-1][0])
+        self._lost_read = False
+
+    # ------------------------------------------------------------------------- drops
+
+    def _stale(self, version: int, learner_version: int) -> bool:
+        # version -1 marks a malformed entry: leave it to the decoder, which moves it to the
+        # invalid stream, rather than miscounting it as stale.
+        return version >= 0 and not trainable(version, learner_version, self.max_staleness)
+
+    def _drop_stale_pooled(self, learner_version: int) -> int:
+        if self.max_staleness is None:
+            return 0
+        stale = [i for i, (v, _) in self._pool.items() if self._stale(v, learner_version)]
+        for i in stale:
+            del self._pool[i]
+        return self._drop_entries([(i, False, "") for i in stale], "stale")
+
+    def _take_replays(self, k: int, learner_version: int) -> tuple[list[_Entry], int]:
+        ids = [
+            text(i)
+            for i in self._replay_take(
+                keys=[self.keys.replay, self.keys.replay_pending], args=[k, now_ms()]
+            )
+        ]
+        if not ids:
+            return [], 0
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id in ids:
+            pipe.xrange(self.keys.stream, entry_id, entry_id)
+        out, stale = [], []
+        for entry_id, rows in zip(ids, pipe.execute(), strict=True):
+            if not rows:  # deleted meanwhile; forget it
+                self.client.hdel(self.keys.replay_pending, entry_id)
+                continue
+            version, fields = parse_fields(rows[0][1])
+            if self._stale(version, learner_version):
+                stale.append((entry_id, True, ""))
+            else:
+                out.append((entry_id, version, fields, True))
+        return out, self._drop_entries(stale, "stale")
+
+    def _drop_entries(self, entries: Sequence[tuple[str, bool, str]], reason: str) -> int:
+        if not entries:
+            return 0
+        args: list[Any] = [GROUP_NAME, reason]
+        for entry_id, replay, error in entries:
+            args += [entry_id, "1" if replay else "0", error]
+        return int(self._drop(keys=[*self.keys.entry, self.keys.invalid], args=args))
