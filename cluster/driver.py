@@ -7,6 +7,9 @@ when to evaluate and checkpoint; it hears back counts and timings. Every pushed 
 trained, dropped (stale or invalid) or left in the buffer at the stop; `summary.json`
 reconciles the driver's counts with the buffer's (cluster.ledger).
 
+The rollout batches in flight and their faults are cluster.rollouts, the evaluations
+cluster.evaluations, the checkpoint's driver state cluster.resume.
+
 Faults (docs/architecture.md, "Faults and resume"): a rollout worker that dies, hangs
 (rollout.batch_timeout_s) or whose engine fails is replaced and its part of the batch redone
 (group ids are fixed per batch and prompt, so nothing is pushed twice); an embedded Redis that
@@ -23,8 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
+from staleflow.cluster.evaluations import Evaluations
 from staleflow.cluster.ledger import Counts, Timeline, reconcile
 from staleflow.cluster.resume import (
     Resume,
@@ -35,6 +37,7 @@ from staleflow.cluster.resume import (
     save_old_weights,
     versions_in_use,
 )
+from staleflow.cluster.rollouts import Rollouts
 from staleflow.cluster.rundir import MetricsWriter, write_json
 from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule, lag
 from staleflow.cluster.services import Services
@@ -55,21 +58,6 @@ class LearnerFailed(RuntimeError):
 
 
 @dataclass
-class Shard:
-    """One worker's part of a rollout batch: what redoing it on another worker needs."""
-
-    slot: Any
-    batch: int
-    version: int
-    prompts: list[Any]
-    first: int  # index of its first prompt in the batch (fixes the groups' ids)
-    attempts: int = 1
-    started: float = field(default_factory=time.monotonic)
-    failed_at: float | None = None  # when its last worker failed (recovery time)
-    hung: bool = False
-
-
-@dataclass
 class Driver:
     """Runs one training run (see the module docstring). `run()` returns the summary."""
 
@@ -86,13 +74,12 @@ class Driver:
         self.run_id = self.rundir.path.name
         self.P = self.cfg.rollout.prompts_per_batch
         self.published: dict[int, Any] = {}  # version -> handle workers load
-        self.shards: dict[Any, Shard] = {}  # batch ref -> the shard it runs
-        self.open_shards: dict[int, int] = {}
+        self.rollouts: Any = None  # Rollouts: the batches on the workers, once started
+        self.evaluations: Any = None  # Evaluations in flight, once started
         self.learning: list[Any] | None = None  # refs of the learner call in flight
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
         self._publish_when_idle = False  # async broadcast: engines were added
         self.timeline = Timeline()
-        self.evals: list[tuple[Any, int]] = []
         self.accuracy: dict[int, float] = {}
         self.stop_requested = False
         self.started = time.time()
@@ -103,7 +90,6 @@ class Driver:
         self.resumed: Resume | None = None
         self.faults: list[dict[str, Any]] = []  # what failed, when, how long recovery took
         self.learner_failed: str | None = None
-        self._eval_retried: set[int] = set()
         self._checkpointed = -1  # the step of the newest checkpoint
 
     # the run's parts (cluster.services); None until started
@@ -164,23 +150,9 @@ class Driver:
         else:
             assert self.resumed is not None
             prompts = self.resumed.prompts_of(batch)
-        parts = np.array_split(np.arange(len(prompts)), len(slots))
-        now = time.monotonic()
-        for slot, part in zip(slots, parts, strict=False):
-            if len(part) == 0:
-                continue
-            self.timeline.gap_s += max(0.0, now - slot.idle_since)
-            shard = Shard(slot, batch, version, [prompts[i] for i in part], int(part[0]))
-            self._start_shard(shard)
-            self.open_shards[batch] = self.open_shards.get(batch, 0) + 1
+        weights = self.published[version]
+        self.timeline.gap_s += self.rollouts.start(slots, batch, version, weights, prompts)
         flow.running[batch] = (version, len(prompts))
-
-    def _start_shard(self, shard: Shard) -> None:
-        weights = self.published[shard.version]
-        ids = (shard.batch, shard.first)
-        ref = self.pool.run_batch(shard.slot, weights, shard.prompts, ids)
-        shard.started = time.monotonic()
-        self.shards[ref] = shard
 
     def _redo_batches(self) -> None:
         """After a resume: the batches that were running at the checkpoint, first (their
@@ -282,94 +254,35 @@ class Driver:
         self._write_status("running")
 
     def _on_batch_done(self, ref: Any) -> None:
-        import ray
-
-        shard = self.shards.pop(ref)
-        slot, batch = shard.slot, shard.batch
-        try:
-            report = ray.get(ref)
-        except Exception as exc:
-            self._worker_failed(shard, exc)
+        done = self.rollouts.finished(ref)
+        if done is None:  # its worker failed: the part runs again (cluster.rollouts)
             return
-        self.pool.finished(slot)
+        shard, report, complete = done
         if shard.failed_at is not None:
-            self._recovered("rollout worker", shard.failed_at, batch=batch)
+            self._recovered("rollout worker", shard.failed_at, batch=shard.batch)
         self.counts.rollout_s += report.generate_s
         self.flow.pushed += report.groups  # in the buffer now (pushed by this try or before)
         self.timeline.load_s += report.load_s
-        self.open_shards[batch] -= 1
-        if self.open_shards[batch] == 0:
-            del self.open_shards[batch]
-            del self.flow.running[batch]
+        if complete:
+            del self.flow.running[shard.batch]
             self.flow.batches_done += 1
         self.metrics.write(
-            "rollout", self.step, worker=slot.index, batch=batch,
+            "rollout", self.step, worker=shard.slot.index, batch=shard.batch,
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,
             reward_mean=report.reward_mean, tokens_per_s=report.tokens_per_s,
             generate_s=report.generate_s, load_s=report.load_s,
             reward_errors=report.reward_errors, node=report.node,
         )  # fmt: skip
-        if slot.retiring:
-            self.pool.remove(slot)
 
-    def _worker_failed(self, shard: Shard, exc: BaseException) -> None:
-        """A worker died, hung or raised: replace it and redo its part of the batch, unless
-        the error would only repeat (a reward function, a full buffer, a prompt too long for the
-        model) or the part failed rollout.max_restarts times already."""
-        from staleflow.actors.worker import PromptTooLongError, RewardError
-        from staleflow.buffer.replay import BufferFullError
-
-        cause = getattr(exc, "cause", None) or exc
-        what = "hung" if shard.hung else f"failed: {type(cause).__name__}: {cause}"
-        where = f"rollout worker {shard.slot.index} (batch {shard.batch})"
-        if isinstance(cause, RewardError | BufferFullError | PromptTooLongError):
-            raise cause  # it would only fail again
-        if shard.attempts > self.cfg.rollout.max_restarts:
-            raise RuntimeError(
-                f"{where} {what}; it was redone {shard.attempts - 1} time(s) already "
-                f"(rollout.max_restarts={self.cfg.rollout.max_restarts})"
-            ) from exc
-        if self.sync.broadcasts:
-            raise RuntimeError(
-                f"{where} {what}. With sync.method {self.cfg.sync.method} a new engine gets "
-                "weights only from a broadcast publish, so the batch cannot be redone in this "
-                f"run; resume it: staleflow train --resume {self.rundir.path}"
-            ) from exc
-        logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
-                       len(shard.prompts))  # fmt: skip
-        retiring = shard.slot.retiring
-        shard.slot = self.pool.replace(shard.slot)
-        shard.slot.retiring = retiring
-        shard.attempts += 1
-        shard.hung = False
-        shard.failed_at = shard.failed_at or time.monotonic()
-        self._start_shard(shard)
-        self.metrics.write("fault", self.step, what="rollout worker", error=what,
-                           batch=shard.batch, wall_s=time.time() - self.started)  # fmt: skip
+    def _on_fault(self, error: str, batch: int) -> None:
+        self.metrics.write("fault", self.step, what="rollout worker", error=error, batch=batch,
+                           wall_s=time.time() - self.started)  # fmt: skip
 
     def _recovered(self, what: str, failed_at: float, **detail: Any) -> None:
         seconds = time.monotonic() - failed_at
         self.faults.append({"what": what, "step": self.step, "recovery_s": seconds, **detail})
         logger.info("%s recovered in %.1f s", what, seconds)
         self.metrics.write("recovery", self.step, what=what, recovery_s=seconds, **detail)
-
-    def _check_hung(self) -> None:
-        """Kill the worker of a batch older than rollout.batch_timeout_s: its call then fails
-        like a dead worker's, and the batch is redone elsewhere."""
-        import ray
-
-        limit = self.cfg.rollout.batch_timeout_s
-        now = time.monotonic()
-        for shard in self.shards.values():
-            if not shard.hung and now - shard.started > limit:
-                logger.warning(
-                    "rollout worker %d: batch %d has run %.0f s (rollout.batch_timeout_s=%g): "
-                    "killing it as hung", shard.slot.index, shard.batch, now - shard.started,
-                    limit,
-                )  # fmt: skip
-                shard.hung = True
-                shard.failed_at = now
-                ray.kill(shard.slot.handle)
 
     def _check_redis(self) -> None:
         """Restart the embedded Redis if it died (from its append-only file; clients retry
@@ -392,7 +305,7 @@ class Driver:
         self.published[weights.version] = weights
         self.flow.latest = max(self.flow.latest, weights.version)
         # keep what the schedule, a pending eval or a batch that may be redone may still load
-        keep = self.schedule.versions_needed(self.flow) | {v for _, v in self.evals}
+        keep = self.schedule.versions_needed(self.flow) | self.evaluations.versions
         keep |= versions_in_use(self.schedule, self.flow)  # running, coming (for a checkpoint)
         if self.resumed is not None and self.schedule.lockstep:  # batches still to redo
             keep |= {self.resumed.versions[b] for b in self.redo}
@@ -407,24 +320,11 @@ class Driver:
             return
         if step not in self.published:  # not on the sync schedule: publish for evaluation
             self._publish()
-        weights = self.published[step]
-        slot = self.pool.active[0]
-        self.evals.append((self.pool.evaluate(slot, weights, self.cfg.task.eval_prompts), step))
+        self.evaluations.start(step, self.published[step])
 
-    def _on_eval_done(self, ref: Any, step: int) -> None:
-        import ray
-
-        try:
-            report = ray.get(ref)
-        except Exception as exc:  # its worker died: once more on a live one
-            retry = step not in self._eval_retried and step in self.published
-            logger.warning("evaluation at step %d failed (%s)%s", step, type(exc).__name__,
-                           "; retrying" if retry else "; skipped")  # fmt: skip
-            self._eval_retried.add(step)
-            if retry and self.pool.active:
-                slot = self.pool.active[0]
-                n = self.cfg.task.eval_prompts
-                self.evals.append((self.pool.evaluate(slot, self.published[step], n), step))
+    def _on_eval_done(self, ref: Any) -> None:
+        step, report = self.evaluations.finished(ref, self.published)
+        if report is None:
             return
         self.accuracy[step] = report.accuracy
         logger.info("held-out accuracy at step %d: %.3f", step, report.accuracy)
@@ -500,7 +400,7 @@ class Driver:
         """Block until something in flight finishes (or briefly, to poll buffer and control)."""
         import ray
 
-        refs = list(self.shards) + [r for r, _ in self.evals]
+        refs = list(self.rollouts.shards) + self.evaluations.refs
         if self.learning is not None:
             refs.append(self.learning[0])
         timeout = 0.2 if self.cfg.sync.mode == "async" or not refs else 1.0
@@ -510,13 +410,11 @@ class Driver:
         for ref in done:
             if self.learning is not None and ref == self.learning[0]:
                 self._on_learner_done()
-            elif ref in self.shards:
+            elif ref in self.rollouts.shards:
                 self._on_batch_done(ref)
             else:
-                step = next(s for r, s in self.evals if r == ref)
-                self.evals = [(r, s) for r, s in self.evals if r != ref]
-                self._on_eval_done(ref, step)
-        self._check_hung()
+                self._on_eval_done(ref)
+        self.rollouts.check_hung()
         self._check_redis()
 
     def _drain(self) -> None:
@@ -526,21 +424,18 @@ class Driver:
         if self.learning is not None:
             ray.wait(self.learning, num_returns=len(self.learning))
             self._on_learner_done()
-        for ref, step in self.evals:
-            self._on_eval_done(ref, step)
-        self.evals = []
-        done, _ = ray.wait(list(self.shards), num_returns=len(self.shards), timeout=0)
+        for ref in self.evaluations.refs:
+            self._on_eval_done(ref)
+        self.evaluations.running = []  # a retry started just now is not waited for
+        shards = list(self.rollouts.shards)
+        done, _ = ray.wait(shards, num_returns=len(shards), timeout=0)
         for ref in done:  # count what finished already (a failed one is redone on resume)
             try:
                 ray.get(ref)
             except Exception:
                 continue
             self._on_batch_done(ref)
-        # the rest are abandoned: a worker pushes its part whole or not at all, and a resume
-        # redoes what the checkpoint lists as running, pushing none of its groups twice
-        for slot in list(self.pool.slots):
-            self.pool.remove(slot)
-        self.shards.clear()
+        self.rollouts.abandon()  # the rest (see Rollouts.abandon)
 
     def _poll_control(self) -> None:
         n = self.rundir.take_worker_request()
@@ -588,6 +483,14 @@ class Driver:
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
         self.services.start(resume=self.resume)
+        self.rollouts = Rollouts(
+            self.cfg,
+            self.pool,
+            self.sync.broadcasts,
+            f"staleflow train --resume {self.rundir.path}",
+            self._on_fault,
+        )
+        self.evaluations = Evaluations(self.pool, self.cfg.task.eval_prompts)
         if self.resumed is not None:
             self._restore(self.resumed)
         self._publish()

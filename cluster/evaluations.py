@@ -1,0 +1,55 @@
+"""Held-out evaluations in flight: each runs on a rollout worker with one published version,
+next to the training (run.eval_every), and one whose worker died is retried once."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Evaluations"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Evaluations:
+    """Evaluations of `prompts` held-out prompts running on `pool` (cluster.placement)."""
+
+    pool: Any
+    prompts: int
+    running: list[tuple[Any, int]] = field(default_factory=list)  # (ref, step)
+    _retried: set[int] = field(default_factory=set)
+
+    def start(self, step: int, weights: Any) -> None:
+        """Evaluate `weights` (the version of `step`) on the first live worker."""
+        self.running.append((self.pool.evaluate(self.pool.active[0], weights, self.prompts), step))
+
+    @property
+    def refs(self) -> list[Any]:
+        return [ref for ref, _ in self.running]
+
+    @property
+    def versions(self) -> set[int]:
+        """The versions evaluations in flight use (their weights must stay published)."""
+        return {step for _, step in self.running}
+
+    def finished(self, ref: Any, published: dict[int, Any]) -> tuple[int, Any | None]:
+        """An evaluation's call returned: (its step, its report), or (step, None) if it
+        failed; then it runs once more on a live worker, if its version is still in
+        `published` and it was not retried before."""
+        import ray
+
+        step = next(s for r, s in self.running if r == ref)
+        self.running = [(r, s) for r, s in self.running if r != ref]
+        try:
+            return step, ray.get(ref)
+        except Exception as exc:  # its worker died
+            weights = published.get(step)
+            retry = step not in self._retried and weights is not None and self.pool.active
+            logger.warning("evaluation at step %d failed (%s)%s", step, type(exc).__name__,
+                           "; retrying" if retry else "; skipped")  # fmt: skip
+            self._retried.add(step)
+            if retry:
+                self.start(step, weights)
+            return step, None

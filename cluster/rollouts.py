@@ -1,0 +1,158 @@
+"""The rollout batches in flight on the worker pool, and their faults (docs/architecture.md,
+"Faults and resume").
+
+The driver decides which batch runs with which policy version (cluster.schedule); this module
+splits a batch over worker slots, tells the driver when each part is back, and redoes a part
+whose worker died, hung (rollout.batch_timeout_s) or whose engine failed on a fresh worker.
+Group ids are fixed per batch and prompt, so redoing a part pushes nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Rollouts", "Shard"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Shard:
+    """One worker's part of a rollout batch: what redoing it on another worker needs."""
+
+    slot: Any
+    batch: int
+    version: int
+    weights: Any  # the published handle of `version` the worker loads
+    prompts: list[Any]
+    first: int  # index of its first prompt in the batch (fixes the groups' ids)
+    attempts: int = 1
+    started: float = field(default_factory=time.monotonic)
+    failed_at: float | None = None  # when its last worker failed (recovery time)
+    hung: bool = False
+
+
+@dataclass
+class Rollouts:
+    """The parts of rollout batches running on `pool` (cluster.placement.WorkerPool).
+
+    `on_fault(error, batch)` is told of each part redone. `resume_hint` is the command that
+    resumes the run, for the error when a part cannot be redone (broadcast sync methods)."""
+
+    cfg: Any
+    pool: Any
+    broadcasts: bool  # sync.method nccl/gloo: a new engine gets weights only from a publish
+    resume_hint: str
+    on_fault: Callable[[str, int], None]
+    shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part
+    _open: dict[int, int] = field(default_factory=dict)  # batch -> parts still running
+
+    def start(self, slots: list[Any], batch: int, version: int, weights: Any,
+              prompts: list[Any]) -> float:  # fmt: skip
+        """Split `prompts` over `slots` and start each part; returns the seconds the slots
+        had been idle (the timeline's dispatch gap)."""
+        parts = np.array_split(np.arange(len(prompts)), len(slots))
+        now, gap = time.monotonic(), 0.0
+        for slot, part in zip(slots, parts, strict=False):
+            if len(part) == 0:
+                continue
+            gap += max(0.0, now - slot.idle_since)
+            self._run(Shard(slot, batch, version, weights, [prompts[i] for i in part],
+                            int(part[0])))  # fmt: skip
+            self._open[batch] = self._open.get(batch, 0) + 1
+        return gap
+
+    def _run(self, shard: Shard) -> None:
+        ref = self.pool.run_batch(shard.slot, shard.weights, shard.prompts,
+                                  (shard.batch, shard.first))  # fmt: skip
+        shard.started = time.monotonic()
+        self.shards[ref] = shard
+
+    def finished(self, ref: Any) -> tuple[Shard, Any, bool] | None:
+        """A part's call returned: (its shard, the worker's report, whether that completed
+        the batch), or None if it failed and runs again on a replacement worker (raises if
+        it may not: see `_failed`)."""
+        import ray
+
+        shard = self.shards.pop(ref)
+        try:
+            report = ray.get(ref)
+        except Exception as exc:
+            self._failed(shard, exc)
+            return None
+        self.pool.finished(shard.slot)
+        self._open[shard.batch] -= 1
+        complete = self._open[shard.batch] == 0
+        if complete:
+            del self._open[shard.batch]
+        if shard.slot.retiring:
+            self.pool.remove(shard.slot)
+        return shard, report, complete
+
+    def _failed(self, shard: Shard, exc: BaseException) -> None:
+        """A worker died, hung or raised: replace it and redo its part of the batch, unless
+        the error would only repeat (a reward function, a full buffer, a prompt too long for
+        the model) or the part failed rollout.max_restarts times already."""
+        from staleflow.actors.worker import PromptTooLongError, RewardError
+        from staleflow.buffer.replay import BufferFullError
+
+        cause = getattr(exc, "cause", None) or exc
+        what = "hung" if shard.hung else f"failed: {type(cause).__name__}: {cause}"
+        where = f"rollout worker {shard.slot.index} (batch {shard.batch})"
+        if isinstance(cause, RewardError | BufferFullError | PromptTooLongError):
+            raise cause  # it would only fail again
+        restarts = self.cfg.rollout.max_restarts
+        if shard.attempts > restarts:
+            raise RuntimeError(
+                f"{where} {what}; it was redone {shard.attempts - 1} time(s) already "
+                f"(rollout.max_restarts={restarts})"
+            ) from exc
+        if self.broadcasts:
+            raise RuntimeError(
+                f"{where} {what}. With sync.method {self.cfg.sync.method} a new engine gets "
+                "weights only from a broadcast publish, so the batch cannot be redone in this "
+                f"run; resume it: {self.resume_hint}"
+            ) from exc
+        logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
+                       len(shard.prompts))  # fmt: skip
+        retiring = shard.slot.retiring
+        shard.slot = self.pool.replace(shard.slot)
+        shard.slot.retiring = retiring
+        shard.attempts += 1
+        shard.hung = False
+        shard.failed_at = shard.failed_at or time.monotonic()
+        self._run(shard)
+        self.on_fault(what, shard.batch)
+
+    def check_hung(self) -> None:
+        """Kill the worker of a part older than rollout.batch_timeout_s: its call then fails
+        like a dead worker's, and the part is redone elsewhere."""
+        import ray
+
+        limit = self.cfg.rollout.batch_timeout_s
+        now = time.monotonic()
+        for shard in self.shards.values():
+            if not shard.hung and now - shard.started > limit:
+                logger.warning(
+                    "rollout worker %d: batch %d has run %.0f s (rollout.batch_timeout_s=%g): "
+                    "killing it as hung", shard.slot.index, shard.batch, now - shard.started,
+                    limit,
+                )  # fmt: skip
+                shard.hung = True
+                shard.failed_at = now
+                ray.kill(shard.slot.handle)
+
+    def abandon(self) -> None:
+        """Forget the parts still running and stop every worker: a worker pushes its part
+        whole or not at all, and a resume redoes the batches its checkpoint lists as
+        running, pushing none of their groups twice."""
+        for slot in list(self.pool.slots):
+            self.pool.remove(slot)
+        self.shards.clear()
+        self._open.clear()
