@@ -186,11 +186,6 @@ class Consumer:
         self.forget()  # everything pending is claimed below, this consumer's too
         self._ensure_group()
         count = self._claim(idle_ms=0)
-        if self.sampling == "replay":
-            self._replay_reclaim(
-                keys=[self.keys.replay, self.keys.replay_pending, self.keys.uses],
-                args=[now_ms(), 0],
-            )
         self.client.hset(self.keys.stats, "held", 0)
         self._last_claim = time.monotonic()
         return count
@@ -239,7 +234,8 @@ class Consumer:
 
     def _claim(self, idle_ms: int) -> int:
         """Take over every entry pending (to any consumer, this one included) for at least
-        `idle_ms` into the pool, except those this consumer holds; how many came."""
+        `idle_ms` into the pool, except those this consumer holds, and make replays out that
+        long replayable again; how many entries came."""
         start, count = "0-0", 0
         while True:  # XAUTOCLAIM's cursor only moves forward through the pending list
             start, claimed, *_ = self.client.xautoclaim(
@@ -252,7 +248,13 @@ class Consumer:
                     self._pool[entry] = parse_fields(fields)
                     count += 1
             if text(start) == "0-0":
-                return count
+                break
+        if self.sampling == "replay":
+            self._replay_reclaim(
+                keys=[self.keys.replay, self.keys.replay_pending, self.keys.uses],
+                args=[now_ms(), idle_ms],
+            )
+        return count
 
     def _reclaim_if_due(self) -> None:
         """Take over entries a dead consumer left pending, at most every claim_idle_s / 4."""
@@ -260,13 +262,7 @@ class Consumer:
         if now - self._last_claim < self.claim_idle_s / 4:
             return
         self._last_claim = now
-        idle_ms = int(self.claim_idle_s * 1000)
-        self._claim(idle_ms)
-        if self.sampling == "replay":
-            self._replay_reclaim(
-                keys=[self.keys.replay, self.keys.replay_pending, self.keys.uses],
-                args=[now_ms(), idle_ms],
-            )
+        self._claim(int(self.claim_idle_s * 1000))
 
     def _refill(
         self, need: int, deadline: float, ack_args: list[Any] | None = None

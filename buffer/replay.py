@@ -68,6 +68,14 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # ----------------------------------------------------------------------------- the buffer
 
 
+def _consumer_option(name: str) -> Any:
+    """A ReplayBuffer attribute read and set on its Consumer's `name`."""
+    return property(
+        lambda self: getattr(self._consumer, name),
+        lambda self, value: setattr(self._consumer, name, value),
+    )
+
+
 class ReplayBuffer:
     """One run's replay buffer on a Redis server (see the module docstring).
 
@@ -120,12 +128,7 @@ class ReplayBuffer:
         self._tx_client = without_retries(self.client)
         self.run = run
         self.capacity = capacity
-        self.sampling: Sampling = sampling
-        self.max_reuse = max_reuse
-        self.max_staleness = max_staleness
-        self.claim_idle_s = claim_idle_s
-        self.read_ahead = read_ahead
-        self.consumer = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        name = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.keys = keys = RunKeys(run)
         self.prefix, self.stream_key, self.invalid_key = keys.prefix, keys.stream, keys.invalid
         self._producer = Producer(
@@ -141,7 +144,7 @@ class ReplayBuffer:
         self._consumer = Consumer(
             self.client,
             keys,
-            self.consumer,
+            name,
             capacity=capacity,
             sampling=sampling,
             max_reuse=max_reuse,
@@ -150,6 +153,14 @@ class ReplayBuffer:
             read_ahead=read_ahead,
             url_for_display=self.url_for_display,
         )
+
+    # The options the learner side acts on live in the Consumer only (one copy).
+    sampling = _consumer_option("sampling")
+    max_reuse = _consumer_option("max_reuse")
+    max_staleness = _consumer_option("max_staleness")
+    claim_idle_s = _consumer_option("claim_idle_s")
+    read_ahead = _consumer_option("read_ahead")
+    consumer = _consumer_option("name")  # this learner process's consumer name
 
     @classmethod
     def from_config(cls, cfg: Any, url: str | redis.Redis, run: str, **kwargs: Any) -> ReplayBuffer:

@@ -151,7 +151,7 @@ class Driver:
             assert self.resumed is not None
             prompts = self.resumed.prompts_of(batch)
         weights = self.published[version]
-        self.timeline.gap_s += self.rollouts.start(slots, batch, version, weights, prompts)
+        self.timeline.gap_s += self.rollouts.start(slots, batch, weights, prompts)
         flow.running[batch] = (version, len(prompts))
 
     def _redo_batches(self) -> None:

@@ -28,8 +28,7 @@ class Shard:
 
     slot: Any
     batch: int
-    version: int
-    weights: Any  # the published handle of `version` the worker loads
+    weights: Any  # the published handle the worker loads (it carries its version)
     prompts: list[Any]
     first: int  # index of its first prompt in the batch (fixes the groups' ids)
     attempts: int = 1
@@ -53,18 +52,17 @@ class Rollouts:
     shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part
     _open: dict[int, int] = field(default_factory=dict)  # batch -> parts still running
 
-    def start(self, slots: list[Any], batch: int, version: int, weights: Any,
-              prompts: list[Any]) -> float:  # fmt: skip
-        """Split `prompts` over `slots` and start each part; returns the seconds the slots
-        had been idle (the timeline's dispatch gap)."""
+    def start(self, slots: list[Any], batch: int, weights: Any, prompts: list[Any]) -> float:
+        """Split `prompts` over `slots` and start each part with `weights` (a published
+        version); returns the seconds the slots had been idle (the timeline's dispatch
+        gap)."""
         parts = np.array_split(np.arange(len(prompts)), len(slots))
         now, gap = time.monotonic(), 0.0
         for slot, part in zip(slots, parts, strict=False):
             if len(part) == 0:
                 continue
             gap += max(0.0, now - slot.idle_since)
-            self._run(Shard(slot, batch, version, weights, [prompts[i] for i in part],
-                            int(part[0])))  # fmt: skip
+            self._run(Shard(slot, batch, weights, [prompts[i] for i in part], int(part[0])))
             self._open[batch] = self._open.get(batch, 0) + 1
         return gap
 
