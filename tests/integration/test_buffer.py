@@ -233,6 +233,30 @@ def test_held_groups_leave_the_capacity_and_come_back_to_a_restarted_learner(red
     assert (stats.pushed, stats.acked, stats.length, stats.pending, stats.held) == (6, 6, 0, 0, 0)
 
 
+@pytest.mark.parametrize("max_reuse", [1, 2])
+def test_an_ack_of_thousands_at_a_checkpoint_counts_each_group_once(redis_url, max_reuse):
+    # A checkpoint acks every group held since the last one in one call: thousands of
+    # receipts, over two versions, each counted once; acking them again changes nothing.
+    n = 2500
+    sampling = "fifo" if max_reuse == 1 else "replay"
+    buffer = ReplayBuffer(redis_url, "run", capacity=n, max_reuse=max_reuse, sampling=sampling)
+    for start in range(0, n, 250):
+        buffer.push_many([group(version=i % 2, prompt=str(i)) for i in range(start, start + 250)])
+    taken = buffer.take(n, learner_version=1)
+    assert len(taken.groups) == n
+    buffer.hold(n)
+    assert buffer.ack(taken.receipts, held=True) == n
+    assert buffer.ack(taken.receipts, held=True) == 0  # again: nothing was pending
+    stats = buffer.stats()
+    # versions alternate 0, 1, 0, ...: 1250 groups of each
+    assert stats.trained_by_version == {0: 1250, 1: 1250}
+    assert (stats.acked, stats.held, stats.pending) == (n, 0, 0)
+    if max_reuse == 1:  # every group used up: deleted from the stream
+        assert (stats.length, stats.replayable) == (0, 0)
+    else:  # every group used once of twice: all of them replayable, still stored
+        assert (stats.length, stats.replayable) == (n, n)
+
+
 def test_recover_takes_over_another_consumers_pending_at_once(redis_url):
     ReplayBuffer(redis_url, "run").push(group(prompt="a"))
     old = ReplayBuffer(redis_url, "run", consumer="old", claim_idle_s=3600)
