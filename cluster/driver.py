@@ -8,7 +8,8 @@ trained, dropped (stale or invalid) or left in the buffer at the stop; `summary.
 reconciles the driver's counts with the buffer's (cluster.ledger).
 
 The rollout batches in flight and their faults are cluster.rollouts, the evaluations
-cluster.evaluations, the checkpoint's driver state cluster.resume.
+cluster.evaluations, the checkpoint (written with the driver's state) and the restore from it
+cluster.resume.
 
 Faults (docs/architecture.md, "Faults and resume"): a rollout worker that dies, hangs
 (rollout.batch_timeout_s) or whose engine fails is replaced and its part of the batch redone
@@ -27,19 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from staleflow.cluster.evaluations import Evaluations
-from staleflow.cluster.ledger import Counts, Timeline, reconcile
-from staleflow.cluster.resume import (
-    Resume,
-    ResumeError,
-    driver_state,
-    load_resume,
-    republish,
-    save_old_weights,
-    versions_in_use,
-)
+from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
+from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
 from staleflow.cluster.rollouts import Rollouts
 from staleflow.cluster.rundir import MetricsWriter, write_json
-from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule, lag
+from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule
 from staleflow.cluster.services import Services
 from staleflow.configs.loader import dump_config, redact
 
@@ -58,8 +51,9 @@ class LearnerFailed(RuntimeError):
 
 
 @dataclass
-class Driver:
-    """Runs one training run (see the module docstring). `run()` returns the summary."""
+class Driver(CheckpointMixin):
+    """Runs one training run (see the module docstring). `run()` returns the summary.
+    Its checkpoint and its restore from one are CheckpointMixin's (cluster.resume)."""
 
     cfg: Any
     rundir: Any  # RunDir
@@ -218,13 +212,8 @@ class Driver:
             )
         record = dict(report.metrics, reward_mean=report.reward_mean, lag_counts=report.lag_counts)
         if self.schedule.lockstep:
-            expected = lag(self.step, self.schedule.I, self.schedule.O)
-            record["lag_expected"] = expected
-            if not report.metrics["lag_min"] == report.metrics["lag_max"] == expected:
-                raise RuntimeError(
-                    f"lockstep step {self.step}: lag {report.metrics['lag_min']}.."
-                    f"{report.metrics['lag_max']} but the schedule says {expected}"
-                )
+            m = report.metrics
+            record["lag_expected"] = self.schedule.check_lag(self.step, m["lag_min"], m["lag_max"])
         if report.weights is not None:
             self._published(report.weights)
         elif self.sync.broadcasts and self.schedule.publishes_after(self.step):
@@ -336,26 +325,6 @@ class Driver:
         )  # fmt: skip
         if self.progress is not None:
             self.progress.eval(step, report.accuracy)
-
-    def _checkpoint(self) -> None:
-        """Checkpoint the learner with the driver's state (cluster.resume), name it in LATEST,
-        then ack and count the groups it holds: every step up to this one is durable now."""
-        path = self.rundir.checkpoints / f"step-{self.step:06d}"
-        held = self.flow.trained - self.counts.trained  # trainings acked by this checkpoint
-        state = driver_state(self, trained=self.flow.trained)
-        self.learner.save(str(path), {"step": self.step, "run_id": self.run_id,
-                                      "driver": state})  # fmt: skip
-        save_old_weights(self, path)
-        # Only a checkpoint LATEST names is resumed from: its groups are acked after that.
-        self.rundir.mark_latest_checkpoint(path)
-        acked = self.learner.commit()
-        if acked != held:  # 0 == 0 when every step acks its own groups (checkpoint_every 0)
-            logger.error("checkpoint at step %d acked %d groups, %d were held: the summary "
-                         "will not reconcile", self.step, acked, held)  # fmt: skip
-        self.counts.trained += acked
-        self._checkpointed = self.step
-        self.rundir.prune_checkpoints(self.cfg.run.keep_checkpoints)
-        self.metrics.write("checkpoint", self.step, path=str(path), acked=acked)
 
     # ------------------------------------------------------------------------ the run
 
@@ -508,52 +477,6 @@ class Driver:
         every = self.cfg.run.eval_every
         return bool(every) and step % every == 0 and 0 < step < self.cfg.run.steps
 
-    def _restore(self, r: Resume) -> None:
-        """Continue from the checkpoint `r`: the learner loads it and gets back the groups
-        held since; the schedule's counts, the batches to redo and older weights return."""
-        started = time.monotonic()
-        needed = versions_in_use(self.schedule, r.flow)  # the coming lock-step batches'
-        if self.schedule.lockstep:  # and the redone batches' (async redoes them with the newest)
-            needed |= {v for v in r.versions.values() if v < r.step}
-        old = r.old_weights()
-        missing = sorted(needed - set(old))
-        if missing:
-            raise ResumeError(
-                f"{r.checkpoint}: the schedule still needs weights v{missing}, which the "
-                "checkpoint does not hold ("
-                + (
-                    "broadcast methods keep no copy"
-                    if self.cfg.sync.method in ("nccl", "gloo")
-                    else "it was written before staleflow kept every version a lock-step "
-                    "sync.offset above the interval needs"
-                )
-                + "); this run can only be resumed from a checkpoint without older versions "
-                "in use"
-            )
-        recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
-        self.flow, self.counts, self.faults = r.flow, r.counts, r.faults
-        self.accuracy = r.accuracy
-        stats = self.buffer.stats()  # drops are final: those after the checkpoint count
-        extra = (stats.dropped_stale - self.counts.dropped_stale) + (
-            stats.dropped_invalid - self.counts.dropped_invalid
-        )
-        self.counts.dropped_stale, self.counts.dropped_invalid = (
-            stats.dropped_stale, stats.dropped_invalid,
-        )  # fmt: skip
-        self.flow.dropped += extra
-        self.redo = r.redo  # before publishing: their versions are kept
-        for version, directory in old.items():
-            self._published(republish(self.cfg, version, directory, self.services.publish_dir))
-        self._checkpointed = r.step  # never rewrite it (a failure now would damage it)
-        seconds = time.monotonic() - started
-        logger.info(
-            "resumed at step %d from %s: %d group(s) held or staged come back, batches %s "
-            "redone, %.1f s", r.step, r.checkpoint or "the start (no checkpoint yet)",
-            recovered, self.redo or "none", seconds,
-        )  # fmt: skip
-        self.metrics.write("resume", r.step, checkpoint=str(r.checkpoint), recovered=recovered,
-                           redo=self.redo, restore_s=seconds)  # fmt: skip
-
     def _finish(self, status: str) -> dict[str, Any]:
         """Checkpoint, reconcile, report and stop everything; safe after a partial start."""
         self._absorb_learner_call()
@@ -579,13 +502,7 @@ class Driver:
             summary["resume"] = f"staleflow train --resume {self.rundir.path}"
         if self.learner_failed is not None:
             summary["learner_error"] = self.learner_failed
-        last = max(self.accuracy, default=None)
-        summary.update(
-            wall_s=time.time() - self.started,
-            accuracy_before=self.accuracy.get(0),
-            accuracy_after=self.accuracy.get(last) if last else None,
-            accuracy_by_step={str(k): v for k, v in sorted(self.accuracy.items())},
-        )
+        summary.update(wall_s=time.time() - self.started, **accuracy_fields(self.accuracy))
         if self.progress is not None:
             self.progress.stop()
         self._write_status(status)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Counts", "Timeline", "reconcile"]
+__all__ = ["Counts", "Timeline", "accuracy_fields", "reconcile"]
 
 
 @dataclass
@@ -21,6 +21,15 @@ class Counts:
     dropped_invalid: int = 0
     rollout_s: float = 0.0  # summed over workers: generation time
     learner_s: float = 0.0  # the learner's steps (forward, backward, optimizer)
+
+    def catch_up_drops(self, stats: Any) -> int:
+        """Take the buffer's drop counts (`stats`, BufferStats), which are final: after a
+        resume, those made since the checkpoint count too. Returns how many more there are."""
+        extra = (stats.dropped_stale - self.dropped_stale) + (
+            stats.dropped_invalid - self.dropped_invalid
+        )
+        self.dropped_stale, self.dropped_invalid = stats.dropped_stale, stats.dropped_invalid
+        return extra
 
 
 @dataclass
@@ -83,4 +92,14 @@ def reconcile(stats: Any, c: Counts, flow: Any, elapsed: float) -> dict[str, Any
         "rollout_batches": flow.batches_done,
         "learner_busy": c.learner_s / max(elapsed, 1e-9),
         "rollout_busy_s": c.rollout_s,
+    }
+
+
+def accuracy_fields(accuracy: dict[int, float]) -> dict[str, Any]:
+    """The summary's held-out accuracy: at step 0, at the last evaluation, and by step."""
+    last = max(accuracy, default=None)
+    return {
+        "accuracy_before": accuracy.get(0),
+        "accuracy_after": accuracy.get(last) if last else None,
+        "accuracy_by_step": {str(k): v for k, v in sorted(accuracy.items())},
     }

@@ -1,4 +1,5 @@
-"""Resuming a run from its last checkpoint (`staleflow train --resume RUN_DIR`).
+"""Checkpointing a run and resuming it from its last checkpoint (`staleflow train --resume
+RUN_DIR`): the driver's `_checkpoint` and `_restore` (CheckpointMixin) and what they use.
 
 What a checkpoint holds besides the learner (learner.checkpoint): the driver's state at that
 step (`driver_state`: the schedule's counts, which rollout batches were running and with which
@@ -21,6 +22,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import Flow
 
 __all__ = [
+    "CheckpointMixin",
     "Resume",
     "ResumeError",
     "driver_state",
@@ -109,6 +112,54 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
         publisher.publish(dict(driver.published[version].arrays()), version)
 
 
+class CheckpointMixin:
+    """The driver's checkpoint and its restore from one: methods of cluster.driver.Driver,
+    whose state (the schedule's Flow, the Counts, the published versions) they write and
+    read back, kept here with the rest of what a checkpoint holds."""
+
+    def _checkpoint(self: Any) -> None:
+        """Checkpoint the learner with the driver's state (`driver_state`), name it in LATEST,
+        then ack and count the groups it holds: every step up to this one is durable now."""
+        path = self.rundir.checkpoints / f"step-{self.step:06d}"
+        held = self.flow.trained - self.counts.trained  # trainings acked by this checkpoint
+        state = driver_state(self, trained=self.flow.trained)
+        self.learner.save(str(path), {"step": self.step, "run_id": self.run_id,
+                                      "driver": state})  # fmt: skip
+        save_old_weights(self, path)
+        # Only a checkpoint LATEST names is resumed from: its groups are acked after that.
+        self.rundir.mark_latest_checkpoint(path)
+        acked = self.learner.commit()
+        if acked != held:  # 0 == 0 when every step acks its own groups (checkpoint_every 0)
+            logger.error("checkpoint at step %d acked %d groups, %d were held: the summary "
+                         "will not reconcile", self.step, acked, held)  # fmt: skip
+        self.counts.trained += acked
+        self._checkpointed = self.step
+        self.rundir.prune_checkpoints(self.cfg.run.keep_checkpoints)
+        self.metrics.write("checkpoint", self.step, path=str(path), acked=acked)
+
+    def _restore(self: Any, r: Resume) -> None:
+        """Continue from the checkpoint `r`: the learner loads it and gets back the groups
+        held since; the schedule's counts, the batches to redo and older weights return."""
+        started = time.monotonic()
+        old = r.check_old_weights(self.schedule, self.cfg.sync.method)
+        recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
+        self.flow, self.counts, self.faults = r.flow, r.counts, r.faults
+        self.accuracy = r.accuracy
+        self.flow.dropped += self.counts.catch_up_drops(self.buffer.stats())
+        self.redo = r.redo  # before publishing: their versions are kept
+        for version, directory in old.items():
+            self._published(republish(self.cfg, version, directory, self.services.publish_dir))
+        self._checkpointed = r.step  # never rewrite it (a failure now would damage it)
+        seconds = time.monotonic() - started
+        logger.info(
+            "resumed at step %d from %s: %d group(s) held or staged come back, batches %s "
+            "redone, %.1f s", r.step, r.checkpoint or "the start (no checkpoint yet)",
+            recovered, self.redo or "none", seconds,
+        )  # fmt: skip
+        self.metrics.write("resume", r.step, checkpoint=str(r.checkpoint), recovered=recovered,
+                           redo=self.redo, restore_s=seconds)  # fmt: skip
+
+
 def versions_in_use(schedule: Any, flow: Flow) -> set[int]:
     """Versions older than `flow.steps` that batches running or still to start are generated
     with: in lock-step every coming batch whose version is already published (even past
@@ -150,6 +201,29 @@ class Resume:
         """The prompt stream where the checkpoint left it (the redone batches' prompts kept)."""
         self._prompts = list(itertools.islice(stream, self.flow.batches * self.P))
         return stream
+
+    def check_old_weights(self, schedule: Any, method: str) -> dict[int, Path]:
+        """The older versions the checkpoint kept (`old_weights`); raises ResumeError if the
+        schedule still needs one it did not keep: a coming lock-step batch's or a redone
+        one's (async redoes batches with the newest version)."""
+        needed = versions_in_use(schedule, self.flow)
+        if schedule.lockstep:
+            needed |= {v for v in self.versions.values() if v < self.step}
+        old = self.old_weights()
+        missing = sorted(needed - set(old))
+        if missing:
+            why = (
+                "broadcast methods keep no copy"
+                if method in ("nccl", "gloo")
+                else "it was written before staleflow kept every version a lock-step "
+                "sync.offset above the interval needs"
+            )
+            raise ResumeError(
+                f"{self.checkpoint}: the schedule still needs weights v{missing}, which the "
+                f"checkpoint does not hold ({why}); this run can only be resumed from a "
+                "checkpoint without older versions in use"
+            )
+        return old
 
     def old_weights(self) -> dict[int, Path]:
         """Older versions the checkpoint kept: version -> directory to read them from."""

@@ -121,6 +121,16 @@ class Schedule:
     def publishes_after(self, step: int) -> bool:
         return step % self.I == 0 or step == self.cfg.run.steps
 
+    def check_lag(self, step: int, lag_min: float, lag_max: float) -> int:
+        """Lock-step: the lag every group of learner step `step` has by the formula above;
+        raises if the step's groups (their lag from lag_min to lag_max) had another."""
+        expected = lag(step, self.I, self.O)
+        if not lag_min == lag_max == expected:
+            raise RuntimeError(
+                f"lockstep step {step}: lag {lag_min}..{lag_max} but the schedule says {expected}"
+            )
+        return expected
+
     def versions_needed(self, flow: Flow) -> set[int]:
         """Published versions a rollout batch may still ask for."""
         keep = {flow.latest}
