@@ -1,6 +1,6 @@
 """Replay-buffer throughput: staleflow vs raw redis-py on the same server and the same bytes.
 
-    python bench/buffer.py [--redis-url URL] [--groups 300] [--rounds 5] [--batch 8]
+    python bench/buffer.py [--redis-url URL] [--groups 300] [--rounds 15] [--batch 8]
 
 Realistic groups: K = 8 responses x 1024 tokens (int32 ids + float32 log-probs, ~66 KB). Each
 round measures, on one Redis server:
@@ -13,8 +13,11 @@ round measures, on one Redis server:
 Rounds alternate which side goes first; medians over rounds are reported, ratios last
 (targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms). Also side by side:
 push on its pinned connection vs through the pool (the pinned one held, as by another
-thread). Last, the server's own time per call (INFO commandstats): the admit script per
-push, the ack script per ack of `batch`, and an empty EVAL.
+thread). Then where a push's time goes, per call, side by side: raw XADD; the same XADD in
+a MULTI/EXEC with an empty EVAL; with the admit script instead (the push's transaction on
+encoded groups, Producer._add); encoding alone; encoding, then that transaction; the whole
+push. Last, the server's own time per call (INFO commandstats): the admit script per push,
+the ack script per ack of `batch`, and an empty EVAL.
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from collections.abc import Callable
 import redis
 
 from staleflow.buffer.codec import decode_fields, encode_fields
-from staleflow.buffer.connection import connect
+from staleflow.buffer.connection import Pinned, connect
+from staleflow.buffer.inflight import InFlight
+from staleflow.buffer.producer import Producer
 from staleflow.buffer.records import Group, synthetic_groups
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.buffer.server import RedisServer
@@ -187,10 +192,63 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
     print(f"push on its pinned connection / through the pool: "
           f"{med['sf_push_1'] / med['sf_push_pooled']:.2f}x")  # fmt: skip
+    push_breakdown(url, client, groups, rounds)
     print(
         "server time per call (us): admit script {admit:.1f} per push, ack script {ack:.1f} "
         "per {batch} acked, an empty EVAL {empty:.1f}".format(batch=batch, **server)
     )
+
+
+def push_breakdown(url: str, client: redis.Redis, groups: list[Group], rounds: int) -> None:
+    """Microseconds per call of a push's parts, each step adding one thing, rounds
+    alternating the order; prints the medians over rounds."""
+    entries = [encode_fields(g) for g in groups]
+    raw = raw_entries(groups)
+    lane = Pinned(client)
+    per_call: dict[str, list[float]] = {}
+
+    def in_tx(stream: str) -> int:
+        for g, fields in zip(groups, entries, strict=True):
+            flat = [x for kv in fields.items() for x in kv]
+            commands = [("MULTI",), ("XADD", stream, "*", *flat, "v", g.policy_version,
+                        "gid", g.group_id), ("EVAL", "return {0}", 0), ("EXEC",)]  # fmt: skip
+            InFlight.send(lane, commands).replies()
+        return len(groups)
+
+    def transactions(producer: Producer, r: int, encode: bool = False) -> int:
+        for g, fields in zip(groups, entries, strict=True):
+            if encode:
+                fields = encode_fields(g)
+            producer._add([g], [fields], [producer.keys.dedup(g.group_id)], f"t:{r}:{g.group_id}")
+        return len(groups)
+
+    for r in range(rounds):
+        client.flushall()
+        with (
+            ReplayBuffer(url, f"add-{r}", capacity=len(groups) + 1) as adder,
+            ReplayBuffer(url, f"push-{r}", capacity=len(groups) + 1) as pusher,
+            ReplayBuffer(url, f"encode-{r}", capacity=len(groups) + 1) as encoder,
+        ):
+            steps: list[tuple[str, Callable[[], int]]] = [
+                ("raw XADD", lambda: raw_push(client, "raw", raw, 1)),
+                ("+ MULTI/EXEC, empty EVAL", lambda: in_tx("tx")),
+                (
+                    "admit script instead (Producer._add)",
+                    lambda a=adder, r=r: transactions(a._producer, r),
+                ),
+                ("encode_fields alone", lambda: len([encode_fields(g) for g in groups])),
+                (
+                    "encode_fields, then Producer._add",
+                    lambda a=encoder, r=r: transactions(a._producer, r, encode=True),
+                ),
+                ("ReplayBuffer.push", lambda b=pusher: buffer_push(b, groups, 1)),
+            ]
+            for name, fn in steps if r % 2 == 0 else steps[::-1]:
+                seconds, _ = timed(fn)
+                per_call.setdefault(name, []).append(seconds / len(groups) * 1e6)
+    print("where a push's time goes, us per call (medians over rounds):")
+    for name, values in per_call.items():
+        print(f"  {name:32}{statistics.median(values):8.1f}")
 
 
 def server_costs(url: str, client: redis.Redis, groups: list[Group], batch: int) -> dict:
@@ -218,7 +276,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--redis-url", help="benchmark against this server (default: embedded)")
     parser.add_argument("--groups", type=int, default=300, help="groups per round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds (medians are reported)")
+    parser.add_argument("--rounds", type=int, default=15, help="rounds (medians are reported)")
     parser.add_argument("--batch", type=int, default=8, help="groups per take")
     args = parser.parse_args()
     if args.redis_url:
