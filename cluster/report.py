@@ -35,6 +35,13 @@ TIMELINE = (
     ("publish", "publish"),
     ("other", "other (driver round trips, learner not called yet)"),
 )
+# The rollout side of the same interval, in worker-seconds (summed over workers): it overlaps
+# the learner's parts, so it is stacked in a panel of its own below them. Each worker's own
+# load time is in its `rollout` records (`load_s`).
+WORKER_TIMELINE = (
+    ("load", "weights loading at batch boundaries"),
+    ("gap", "idle, waiting to be dispatched"),
+)
 
 
 def write_report(run: RunDir) -> Path:
@@ -116,18 +123,22 @@ def write_report(run: RunDir) -> Path:
     ax.legend()
     _save(fig, run.plots / "busy.png")
 
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    bottom = [0.0] * len(steps)
+    fig, (learner_ax, workers_ax) = plt.subplots(
+        2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(2, 1)
+    )
     x = [r["step"] for r in steps]
-    for key, label in TIMELINE:
-        y = [float(r.get(f"time_{key}_s", 0.0)) for r in steps]
-        if any(y):
-            ax.bar(x, y, bottom=bottom, label=label, width=0.9)
-            bottom = [b + v for b, v in zip(bottom, y, strict=True)]
-    ax.set_xlabel("learner step")
-    ax.set_ylabel("seconds since the previous step")
-    if ax.patches:
-        ax.legend(fontsize="small")
+    for ax, parts in ((learner_ax, TIMELINE), (workers_ax, WORKER_TIMELINE)):
+        bottom = [0.0] * len(steps)
+        for key, label in parts:
+            y = [float(r.get(f"time_{key}_s", 0.0)) for r in steps]
+            if any(y):
+                ax.bar(x, y, bottom=bottom, label=label, width=0.9)
+                bottom = [b + v for b, v in zip(bottom, y, strict=True)]
+        if ax.patches:
+            ax.legend(fontsize="small")
+    learner_ax.set_ylabel("seconds since the\nprevious step")
+    workers_ax.set_ylabel("worker-seconds\n(all workers)")
+    workers_ax.set_xlabel("learner step")
     _save(fig, run.plots / "timeline.png")
 
     summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
