@@ -1,0 +1,61 @@
+"""Starting a run's actors (cluster.placement.wait_started): an actor no node can hold ends
+the start after run.start_timeout_s with what the cluster has, and a constructor that raises
+ends it at once with its error, whatever else is still loading."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from staleflow.cluster.placement import ActorStartError, wait_started
+
+pytestmark = pytest.mark.integration
+
+
+class Role:
+    def __init__(self, seconds: float = 0.0, error: str | None = None) -> None:
+        time.sleep(seconds)
+        if error:
+            raise ValueError(error)
+
+
+def test_actors_that_start_are_waited_for(ray_local):
+    import ray
+
+    actor = ray.remote(Role).options(num_cpus=0).remote(0.5)
+    wait_started({"rollout workers": [actor]}, timeout_s=60)
+    assert ray.get(actor.__ray_ready__.remote(), timeout=1)
+    ray.kill(actor)
+
+
+def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_local):
+    import ray
+
+    placed = ray.remote(Role).options(num_cpus=0).remote()
+    unplaceable = ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
+    started = time.monotonic()
+    with pytest.raises(TimeoutError) as raised:
+        wait_started({"learner ranks": [placed], "rollout workers": [unplaceable]}, timeout_s=2)
+    assert 2 <= time.monotonic() - started < 30  # the limit, not a hang
+    message = str(raised.value)
+    assert message.startswith("1 of 1 rollout workers did not start within 2 s "
+                              "(run.start_timeout_s); the cluster has {")  # fmt: skip
+    assert "'CPU'" in message  # the cluster's resources, free and in all
+    assert "learner ranks" not in message  # the one that started is not blamed
+    for actor in (placed, unplaceable):
+        ray.kill(actor)
+
+
+def test_a_constructor_that_raises_ends_the_start_at_once(ray_local):
+    import ray
+
+    slow = [ray.remote(Role).options(num_cpus=0).remote(60.0) for _ in range(2)]
+    failing = ray.remote(Role).options(num_cpus=0).remote(0.2, "no model at /models/x")
+    started = time.monotonic()
+    with pytest.raises(ActorStartError, match=r"^one of the learner ranks failed to start: "
+                       r"ValueError: no model at /models/x$"):  # fmt: skip
+        wait_started({"rollout workers": slow, "learner ranks": [failing]}, timeout_s=300)
+    assert time.monotonic() - started < 30  # not after the slow ones' 60 s
+    for actor in (*slow, failing):
+        ray.kill(actor)
