@@ -127,7 +127,6 @@ class ReplayBuffer:
         # go through a client whose connections do not retry; push_many recovers instead.
         self._tx_client = without_retries(self.client)
         self.run = run
-        self.capacity = capacity
         name = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.keys = keys = RunKeys(run)
         self.prefix, self.stream_key, self.invalid_key = keys.prefix, keys.stream, keys.invalid
@@ -161,6 +160,18 @@ class ReplayBuffer:
     claim_idle_s = _consumer_option("claim_idle_s")
     read_ahead = _consumer_option("read_ahead")
     consumer = _consumer_option("name")  # this learner process's consumer name
+
+    @property
+    def capacity(self) -> int:
+        """Groups the buffer holds at most (trained ones held for a checkpoint not counted):
+        the producer waits at it, and a freshest-first consumer reads up to it."""
+        return self._producer.capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:  # both sides act on it: one value for both
+        if value < 1:
+            raise ValueError(f"capacity must be >= 1, got {value}")
+        self._producer.capacity = self._consumer.capacity = value
 
     @classmethod
     def from_config(cls, cfg: Any, url: str | redis.Redis, run: str, **kwargs: Any) -> ReplayBuffer:

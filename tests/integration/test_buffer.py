@@ -738,6 +738,21 @@ def test_full_buffer_blocks_producers_then_raises(redis_url):
     assert buffer.stats().length == 3  # nothing was trimmed to make room
 
 
+def test_capacity_changed_on_a_live_buffer_applies_to_both_sides(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", capacity=2, push_timeout_s=0.2, sampling="freshest")
+    buffer.push(group(prompt="0"))
+    buffer.push(group(prompt="1"))
+    with pytest.raises(BufferFullError):
+        buffer.push(group(prompt="2"))
+    buffer.capacity = 3  # the producer takes one more, and freshest-first reads all three
+    buffer.push(group(prompt="2"))
+    assert buffer.stats().capacity == 3
+    assert sorted(g.prompt_id for g in buffer.take(3, 0).groups) == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        buffer.capacity = 0
+    assert buffer.capacity == 3
+
+
 def test_blocked_producer_resumes_when_the_learner_acks(redis_url):
     producer = ReplayBuffer(redis_url, "run", capacity=2, push_timeout_s=30)
     producer.push(group(prompt="0"))
