@@ -124,7 +124,7 @@ def write_report(run: RunDir) -> Path:
     _save(fig, run.plots / "busy.png")
 
     fig, (learner_ax, workers_ax) = plt.subplots(
-        2, 1, figsize=(10, 5.5), sharex=True, height_ratios=(2, 1)
+        2, 1, figsize=(12, 5.5), sharex=True, height_ratios=(2, 1)
     )
     x = [r["step"] for r in steps]
     for ax, parts in ((learner_ax, TIMELINE), (workers_ax, WORKER_TIMELINE)):
@@ -134,8 +134,8 @@ def write_report(run: RunDir) -> Path:
             if any(y):
                 ax.bar(x, y, bottom=bottom, label=label, width=0.9)
                 bottom = [b + v for b, v in zip(bottom, y, strict=True)]
-        if ax.patches:
-            ax.legend(fontsize="small")
+        if ax.patches:  # beside the bars, never over them
+            ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     learner_ax.set_ylabel("seconds since the\nprevious step")
     workers_ax.set_ylabel("worker-seconds\n(all workers)")
     workers_ax.set_xlabel("learner step")
