@@ -205,6 +205,12 @@ class Consumer:
             args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
         return args if len(args) > 3 else None
 
+    def _ack_eval(self, args: list[Any]) -> tuple[Any, ...]:
+        """EVAL's arguments for scripts.ACK, sent along with a read (by `_refill`'s pipeline
+        or `_send_ahead`). EVAL, not the registered script: a pipeline would first check
+        that the script exists, and a NOSCRIPT to a command sent ahead could not be answered."""
+        return (scripts.ACK, len(self._ack_keys), *self._ack_keys, *args)
+
     def _acked(self, args: list[Any], result: Any) -> int:
         """After scripts.ACK ran: its receipts are no longer held here; how many it acked."""
         for i in range(3, len(args), 3):
@@ -280,8 +286,8 @@ class Consumer:
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         block = min(remaining_ms, 5000) if len(self._pool) < need else None
         pipe = self.client.pipeline(transaction=False)
-        if ack_args:  # EVAL, not the registered script: a pipeline would check it exists
-            pipe.eval(scripts.ACK, len(self._ack_keys), *self._ack_keys, *ack_args)
+        if ack_args:
+            pipe.eval(*self._ack_eval(ack_args))
         pipe.xreadgroup(
             GROUP_NAME, self.name, {self.keys.stream: ">"}, count=want, block=block or None
         )
@@ -308,8 +314,7 @@ class Consumer:
         and replay: `n` more than the pool holds), without waiting for the replies."""
         commands: list[tuple[Any, ...]] = []
         if ack_args:
-            commands.append(("EVAL", scripts.ACK, len(self._ack_keys), *self._ack_keys,
-                             *ack_args))  # fmt: skip
+            commands.append(("EVAL", *self._ack_eval(ack_args)))
         want = n - len(self._pool) if self.read_ahead and self.sampling != "freshest" else 0
         if want > 0:
             commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.name, "COUNT", want,

@@ -5,11 +5,11 @@
     replies = call.replies()   # one per command (an error reply as its exception), or None
 
 The producer sends each push's transaction with it, and the replay buffer's `take` uses it
-to read the next batch while it decodes this one: on a
-small machine the round trip and the server's work are then hidden behind the decode instead
-of added to it (bench/buffer.py). A connection that fails, on sending or on reading, is not
-retried here: `replies()` returns None and the caller recovers (what it sent must be safe to
-redo or to find again; see ReplayBuffer.take).
+to read the next batch while it decodes this one: on a small machine the round trip and the
+server's work are then hidden behind the decode instead of added to it (bench/buffer.py). A
+connection that fails, on sending or on reading, is not retried here: `replies()` returns
+None and the caller recovers (what it sent must be safe to redo or to find again; see
+ReplayBuffer.take).
 """
 
 from __future__ import annotations

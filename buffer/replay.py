@@ -129,7 +129,6 @@ class ReplayBuffer:
         self.run = run
         name = consumer or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.keys = keys = RunKeys(run)
-        self.prefix, self.stream_key, self.invalid_key = keys.prefix, keys.stream, keys.invalid
         self._producer = Producer(
             self.client,
             self._tx_client,
@@ -193,7 +192,7 @@ class ReplayBuffer:
     def push(self, group: Group) -> bool:
         """Append one group; True if added, False if this group id was already pushed.
         Blocks while the buffer is full, then raises BufferFullError (see `push_many`)."""
-        return self._producer.push_many([group])[0]
+        return self._producer.push(group)
 
     def push_many(self, groups: Sequence[Group]) -> list[bool]:
         """See staleflow.buffer.producer.Producer.push_many."""
@@ -305,7 +304,7 @@ class ReplayBuffer:
     @translate_errors
     def clear(self) -> int:
         """Delete every key of this run; returns how many were deleted."""
-        keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
+        keys = list(self.client.scan_iter(match=self.keys.prefix + "*", count=1000))
         self._consumer.forget()
         return int(self.client.delete(*keys)) if keys else 0
 

@@ -332,7 +332,7 @@ def test_a_duplicate_push_is_never_visible_to_a_reader(redis_url):
     first = [group(prompt=str(i)) for i in range(20)]
     assert pusher.push_many(first) == [True] * 20
     reader = redis.Redis.from_url(redis_url)
-    key = pusher.stream_key
+    key = pusher.keys.stream
     reader.xgroup_create(key, "spy", id="$")  # only entries added from now on
     seen: list[bytes] = []
     stop = threading.Event()
@@ -479,7 +479,7 @@ def test_a_producer_killed_mid_push_leaves_nothing_behind(redis_url):
     dying = redis.Redis.from_url(redis_url)
     conn = dying.connection_pool.get_connection()
     conn.send_packed_command(conn.pack_commands(
-        [("MULTI",), ("XADD", buffer.stream_key, "*", "gid", g.group_id, "h", b"x")]
+        [("MULTI",), ("XADD", buffer.keys.stream, "*", "gid", g.group_id, "h", b"x")]
     ))  # fmt: skip
     assert conn.read_response() == b"OK"
     conn.disconnect()  # killed: EXEC never comes
@@ -585,7 +585,7 @@ def test_a_lost_read_ahead_then_a_server_that_lost_everything_recovers(redis_url
     buffer.push_many([group(prompt=str(i)) for i in range(4)])
     _drop_the_read_ahead_reply(monkeypatch)
     assert [g.prompt_id for g in buffer.take(2, 0).groups] == ["0", "1"]
-    buffer.client.delete(buffer.stream_key)
+    buffer.client.delete(buffer.keys.stream)
     buffer.push_many([group(prompt="new")])
     assert [g.prompt_id for g in buffer.take(2, 0).groups] == ["new"]  # not NOGROUP, forever
 
@@ -779,11 +779,11 @@ def test_undecodable_entries_are_quarantined_not_lost(redis_url):
     buffer = ReplayBuffer(redis_url, "run")
     buffer.push(group(prompt="good"))
     client = redis.Redis.from_url(redis_url)
-    client.xadd(buffer.stream_key, {"g": b"\x93garbage", "v": b"0", "gid": b"x"})
+    client.xadd(buffer.keys.stream, {"g": b"\x93garbage", "v": b"0", "gid": b"x"})
     taken, ids = take_all(buffer, 5)
     assert ids == ["good"]
     assert taken.dropped_invalid == 1
-    (entry,) = client.xrange(buffer.invalid_key)
+    (entry,) = client.xrange(buffer.keys.invalid)
     assert entry[1][b"g"] == b"\x93garbage"
     assert b"invalid group record" in entry[1][b"error"]
     assert buffer.stats().dropped_invalid == 1
