@@ -33,6 +33,8 @@ def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_loc
     import ray
 
     placed = ray.remote(Role).options(num_cpus=0).remote()
+    # started before the wait (a worker process can take seconds to start on a busy machine)
+    ray.get(placed.__ray_ready__.remote(), timeout=120)
     unplaceable = ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
     started = time.monotonic()
     with pytest.raises(TimeoutError) as raised:
