@@ -1,6 +1,6 @@
 """Weight sync per method: publish on the learner's side + load into an engine, in one run.
 
-    python bench/sync.py [--model smollm2-135m|tiny] [--rounds 5]
+    python bench/sync.py [--model smollm2-135m|tiny] [--rounds 5] [--device cpu|cuda]
 
 The sender (a Ray actor holding the weights, as learner rank 0 does) and the receiver (this
 process, with an HF engine on the same model) are separate processes, as in a run. Each method
@@ -9,6 +9,11 @@ rounds, beside two bounds measured in the same run: a plain memcpy of the same b
 engine's own load of arrays already in this process (the copy no method can avoid).
 Methods: ray (object store), checkpoint (safetensors files), gloo (broadcast over a process
 group; the nccl code path on CPU), and nccl when two GPUs are visible.
+
+With --device cuda (the default when a GPU is visible) both ends hold the model on the GPU, as
+colocated roles sharing one GPU do: each publish then starts from GPU memory (the copy to the
+host that the learner's publish makes is timed with it), each load ends in GPU memory, and a
+third bound is printed: the copy of the same bytes from host arrays into the GPU parameters.
 """
 
 from __future__ import annotations
@@ -36,15 +41,18 @@ class Sender:
         model, _ = load_model(ModelConfig(preset=model_name), device=device)
         self.tensors = {k: v.detach() for k, v in model.state_dict().items()}
         self.arrays = {k: v.cpu().numpy() for k, v in self.tensors.items()}
+        self.device = device
         self.directory = directory
         self.group: Any = None
 
     def publish(self, method: str, version: int) -> Any:
-        from staleflow.learner.publish import CheckpointPublisher, RayPublisher
+        from staleflow.learner.publish import CheckpointPublisher, RayPublisher, host_arrays
 
+        # from GPU memory, the learner's publish copies the weights to the host each time
+        arrays = self.arrays if self.device == "cpu" else host_arrays(self.tensors)
         if method == "ray":
-            return RayPublisher().publish(self.arrays, version)
-        return CheckpointPublisher(self.directory, keep=2).publish(self.arrays, version)
+            return RayPublisher().publish(arrays, version)
+        return CheckpointPublisher(self.directory, keep=2).publish(arrays, version)
 
     def layouts(self) -> Any:
         from staleflow.learner.publish import tensor_layouts
@@ -76,7 +84,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny"])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")  # fmt: skip
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA GPU here (use --device cpu)")
+    device = args.device
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
@@ -93,12 +106,14 @@ def main() -> int:
     gpus = torch.cuda.device_count()
     # the Ray a run of this model would start (its object store sized and pre-faulted)
     start_ray(None, parse_config(f"model: {{preset: {args.model}}}"), log_to_driver=False)
-    model, tokenizer = load_model(ModelConfig(preset=args.model))
+    model, tokenizer = load_model(ModelConfig(preset=args.model), device=device)
     engine = HFEngine(model, tokenizer)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     params = dict(model.state_dict(keep_vars=True))
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sender = ray.remote(Sender).options(num_cpus=1).remote(args.model, tmp, "cpu")
+        gpu_share = {"num_gpus": 0.5} if device == "cuda" else {}
+        sender = ray.remote(Sender).options(num_cpus=1, **gpu_share).remote(args.model, tmp, device)
         arrays = ray.get(sender.publish.remote("ray", 0)).arrays()
         local = {k: np.array(v) for k, v in arrays}
         nbytes = sum(a.nbytes for a in local.values())
@@ -106,8 +121,18 @@ def main() -> int:
         results["memcpy (bound)"] = median_time(
             lambda: [np.copyto(copies[k], v) for k, v in local.items()], args.rounds
         )
+        if device == "cuda":
+            on_gpu = {k: torch.empty(v.shape, dtype=torch.from_numpy(v).dtype, device="cuda")
+                      for k, v in local.items()}  # fmt: skip
+
+            def to_gpu() -> None:
+                for k, v in local.items():
+                    on_gpu[k].copy_(torch.from_numpy(v))
+                sync()
+
+            results["host->GPU (bound)"] = median_time(to_gpu, args.rounds)
         results["engine load only"] = median_time(
-            lambda: load_named_arrays(params, local), args.rounds
+            lambda: (load_named_arrays(params, local), sync()), args.rounds
         )
         version = iter(range(1, 10_000))
         for method in ("ray", "checkpoint"):
@@ -115,30 +140,36 @@ def main() -> int:
             def via(method: str = method) -> None:
                 handle = ray.get(sender.publish.remote(method, next(version)))
                 engine.load_weights(handle.arrays(), handle.version)
+                sync()
 
             results[method] = median_time(via, args.rounds)
 
-        layouts = ray.get(sender.layouts.remote())
-        port = free_port("127.0.0.1")
-        opened = sender.open.remote("gloo", port)
-        group = SyncGroup.open("gloo", "127.0.0.1", port, 1, 2, timeout_s=120)
-        ray.get(opened)
+        if device == "cuda":
+            print("gloo broadcast: not measured on cuda (it stands in for nccl on CPU; nccl "
+                  "needs a GPU per end)")  # fmt: skip
+        else:
+            layouts = ray.get(sender.layouts.remote())
+            port = free_port("127.0.0.1")
+            opened = sender.open.remote("gloo", port)
+            group = SyncGroup.open("gloo", "127.0.0.1", port, 1, 2, timeout_s=120)
+            ray.get(opened)
 
-        def via_gloo() -> None:
-            v = next(version)
-            sent = sender.send.remote(v)
-            engine.load_weights(broadcast_receive(group, layouts), v)
-            ray.get(sent)
+            def via_gloo() -> None:
+                v = next(version)
+                sent = sender.send.remote(v)
+                engine.load_weights(broadcast_receive(group, layouts), v)
+                ray.get(sent)
+                sync()
 
-        results["gloo broadcast"] = median_time(via_gloo, args.rounds)
-        group.close()
+            results["gloo broadcast"] = median_time(via_gloo, args.rounds)
+            group.close()
     if gpus >= 2:
         print("nccl: two GPUs visible; run the gpu tests' NCCL broadcast for its figure")
     else:
         print(f"nccl: not measured here ({gpus} GPU visible; NCCL needs one GPU per end)")
     base = results["memcpy (bound)"]
-    print(f"[{args.model}] weight sync of {nbytes / 1e6:.1f} MB, publish + load into an engine "
-          f"in another process, median of {args.rounds}")  # fmt: skip
+    print(f"[{args.model} on {device}] weight sync of {nbytes / 1e6:.1f} MB, publish + load "
+          f"into an engine in another process, median of {args.rounds}")  # fmt: skip
     for name, seconds in results.items():
         print(f"  {name:17} {seconds * 1e3:8.1f} ms  {nbytes / 1e9 / seconds:6.2f} GB/s  "
               f"{seconds / base:5.2f}x memcpy")  # fmt: skip
