@@ -42,8 +42,14 @@ def test_learner_step_on_cuda_equals_the_cpu_step():
     assert (cpu_device, gpu_device) == ("cpu", "cuda:0")
     for key in ("loss", "grad_norm", "ratio_mean", "clip_frac", "entropy"):
         assert gpu_metrics[key] == pytest.approx(cpu_metrics[key], rel=1e-3, abs=1e-5), key
+    # Adam's first step moves each weight by lr * g / (|g| + eps), lr = 1e-3, eps = 1e-8:
+    # +-lr wherever |g| >> eps, the same on both devices. Only where g is within rounding of 0
+    # can the two differ, by at most lr. On an H100 (2026-11-24) that was 2 of 16384 entries
+    # of one matrix, by 8.8e-5. So: nearly every entry equal to 1e-5, none apart by over lr.
     for name, array in cpu_weights.items():
-        np.testing.assert_allclose(gpu_weights[name], array, rtol=1e-4, atol=1e-5, err_msg=name)
+        apart = np.abs(gpu_weights[name].astype(np.float64) - array)
+        assert (apart > 1e-5 + 1e-4 * np.abs(array)).mean() <= 1e-3, name
+        assert apart.max() <= 1e-3, name
 
 
 def test_hf_engine_on_cuda_records_the_models_logprobs():
