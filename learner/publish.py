@@ -15,7 +15,9 @@
   is flattened into one tensor on the sender's device and broadcast in one collective; the
   receivers get the layouts once per update (one remote call each), not per parameter.
 - `pack_bucket` / `unpack_bucket`: the wire format of a bucket that crosses a serialiser (the
-  vLLM engine's `collective_rpc`): plain bytes plus [name, shape, dtype] entries.
+  vLLM engine's `collective_rpc`): plain bytes plus [name, shape, dtype] entries;
+  `write_bucket` / `read_bucket`: the same bytes through a file in shared memory, for a
+  process on the same node (vLLM's engine core), so only the layout crosses the serialiser.
 
 Every publish reports its wall time and bytes.
 """
@@ -47,10 +49,12 @@ __all__ = [
     "flatten_tensors",
     "host_arrays",
     "pack_bucket",
+    "read_bucket",
     "read_published",
     "tensor_layouts",
     "unflatten_tensors",
     "unpack_bucket",
+    "write_bucket",
 ]
 
 Arrays = Mapping[str, np.ndarray]
@@ -221,10 +225,8 @@ WireLayout = list[list[Any]]
 _WIRE_DTYPES = {"<f4", "<f2", "<f8", "<i2", "<i4", "<i8", "|u1", "|i1", "|b1"}
 
 
-def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
-    """One bucket as plain `bytes` plus its layout: serialisable by construction (msgpack,
-    pickle, vLLM's IPC), where numpy arrays are not (vLLM's multiprocess mode turns them into
-    nested lists). One copy of the bytes; bfloat16 travels as its int16 view."""
+def _wire_views(bucket: Arrays) -> tuple[WireLayout, list[memoryview]]:
+    """The layout of a bucket and each array's bytes (views, no copy), in layout order."""
     layout: WireLayout = []
     views = []
     for name, array in bucket.items():
@@ -233,7 +235,34 @@ def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
             raise TypeError(f"parameter {name!r}: dtype {a.dtype} cannot travel as weights")
         layout.append([name, list(a.shape), a.dtype.str])
         views.append(a.reshape(-1).view(np.uint8).data)
+    return layout, views
+
+
+def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
+    """One bucket as plain `bytes` plus its layout: serialisable by construction (msgpack,
+    pickle, vLLM's IPC), where numpy arrays are not (vLLM's multiprocess mode turns them into
+    nested lists). One copy of the bytes; bfloat16 travels as its int16 view."""
+    layout, views = _wire_views(bucket)
     return layout, b"".join(views)
+
+
+def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
+    """`pack_bucket`'s bytes written to the file `path` (one copy, no joined buffer in
+    between) for a process on the same node to read with `read_bucket`; returns the layout.
+    In shared memory (/dev/shm) neither side touches a disk."""
+    layout, views = _wire_views(bucket)
+    with open(path, "wb") as handle:
+        for view in views:
+            handle.write(view)
+    return layout
+
+
+def read_bucket(layout: WireLayout, path: str | Path) -> dict[str, np.ndarray]:
+    """The arrays `write_bucket` wrote to `path`, read in one copy into memory of this
+    process (writable, so a tensor can wrap them without another copy), checked against the
+    layout as `unpack_bucket` checks bytes."""
+    data = np.fromfile(path, dtype=np.uint8)
+    return unpack_bucket(layout, data.data)
 
 
 def unpack_bucket(layout: WireLayout, data: Any) -> dict[str, np.ndarray]:

@@ -1,4 +1,5 @@
-"""The wire format of weight buckets that cross a serialiser (vLLM's multiprocess IPC)."""
+"""The wire format of weight buckets that cross a serialiser (vLLM's multiprocess IPC) or a
+file in shared memory, and how the vLLM worker extension collects and applies them."""
 
 from __future__ import annotations
 
@@ -9,8 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from staleflow.actors.vllm_engine import buckets
-from staleflow.learner.publish import pack_bucket, unpack_bucket
+from staleflow.actors.vllm_engine import WeightLoaderExtension, check_shapes
+from staleflow.learner.publish import (
+    bucketize,
+    pack_bucket,
+    read_bucket,
+    unpack_bucket,
+    write_bucket,
+)
 
 
 def sample_bucket() -> dict[str, np.ndarray]:
@@ -70,10 +77,74 @@ def test_unsupported_dtypes_are_refused_when_packing():
         pack_bucket({"s": np.array(["a"])})
 
 
-def test_vllm_buckets_are_packed_in_order_and_size():
+def test_write_bucket_writes_pack_buckets_bytes_and_read_bucket_reads_them(tmp_path):
+    bucket = sample_bucket()
+    layout = write_bucket(bucket, tmp_path / "bucket")
+    assert (layout, (tmp_path / "bucket").read_bytes()) == pack_bucket(bucket)
+    out = read_bucket(layout, tmp_path / "bucket")
+    for name, array in bucket.items():
+        np.testing.assert_array_equal(out[name], array)
+        assert out[name].flags.writeable  # its own memory: a tensor wraps it without a copy
+    with pytest.raises(ValueError, match="the bucket ends at byte 58, the layout needs 62"):
+        read_bucket([*layout, ["x", [2], "<i2"]], tmp_path / "bucket")
+
+
+class Runner:
+    """Records what vLLM's model runner would be asked to load (the extension's collecting of
+    buckets is under test here; vLLM's own loading is in tests/vllm_cpu)."""
+
+    def __init__(self) -> None:
+        self.applied: list[list[tuple[str, torch.Tensor]]] = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
+        assert is_checkpoint_format
+        self.applied.append([(name, t.clone()) for name, t in weights_iterator])
+
+
+class Worker(WeightLoaderExtension):
+    def __init__(self) -> None:
+        self.model_runner = Runner()
+
+
+def test_an_update_in_buckets_is_applied_once_and_whole_through_either_transport(tmp_path):
     weights = {f"p{i}": np.full(n, i, dtype=np.float32) for i, n in enumerate([100, 100, 300, 50])}
-    parts = list(buckets(weights, bucket_bytes=1000))  # 1000 bytes = 250 floats
-    assert [[e[0] for e in layout] for layout, _ in parts] == [["p0", "p1"], ["p2"], ["p3"]]
-    assert [len(data) for _, data in parts] == [800, 1200, 200]
-    second = unpack_bucket(*parts[1])
-    assert second["p2"].tolist() == [2.0] * 300
+    weights["b"] = sample_bucket()["b"]
+    parts = bucketize(weights, bucket_bytes=1000)  # 1000 bytes = 250 floats
+    assert [list(b) for b in parts] == [["p0", "p1"], ["p2"], ["p3", "b"]]
+    through_file, through_rpc = Worker(), Worker()
+    for i, bucket in enumerate(parts):
+        first, last = i == 0, i == len(parts) - 1
+        layout = write_bucket(bucket, tmp_path / f"b{i}")
+        assert through_file.staleflow_load_file(layout, str(tmp_path / f"b{i}"), first, last) == (
+            5 if last else 0
+        )
+        layout, data = msgpack.unpackb(msgpack.packb(list(pack_bucket(bucket))), raw=False)
+        through_rpc.staleflow_load_bucket(layout, data, first, last)
+    for worker in (through_file, through_rpc):
+        [update] = worker.model_runner.applied
+        assert [name for name, _ in update] == list(weights)
+        assert dict(update)["p2"].tolist() == [2.0] * 300
+        assert dict(update)["b"].dtype == torch.bfloat16
+        assert (
+            dict(update)["b"].tolist()
+            == torch.tensor([1.5, -2.25, 3.0e-3], dtype=torch.bfloat16).tolist()
+        )
+
+
+def test_an_update_that_stopped_half_way_does_not_leak_into_the_next(tmp_path):
+    worker = Worker()
+    layout = write_bucket({"old": np.zeros(4, np.float32)}, tmp_path / "a")
+    worker.staleflow_load_file(layout, str(tmp_path / "a"), True, False)  # its rest never came
+    layout = write_bucket({"new": np.ones(2, np.float32)}, tmp_path / "b")
+    worker.staleflow_load_file(layout, str(tmp_path / "b"), True, True)
+    [update] = worker.model_runner.applied
+    assert [name for name, _ in update] == ["new"]
+
+
+def test_vllm_updates_are_checked_against_the_models_shapes_before_sending():
+    shapes = {"w": (3, 4), "b": (4,)}
+    check_shapes(shapes, {"w": np.zeros((3, 4)), "b": np.zeros(4)})
+    with pytest.raises(ValueError, match=r"parameter 'b': got shape \(5,\), the model has \(4,\)"):
+        check_shapes(shapes, {"w": np.zeros((3, 4)), "b": np.zeros(5)})
+    with pytest.raises(KeyError, match=r"unknown parameter 'c' \(the model has e.g. b, w, ...\)"):
+        check_shapes(shapes, {"c": np.zeros(1)})

@@ -56,13 +56,18 @@ def test_behaviour_logprobs_equal_a_teacher_forced_pass(engine, temperature):
     assert checked > 40
 
 
-def test_load_weights_in_buckets_changes_outputs(engine):
-    other, tokenizer = tiny_model(seed=1)
+@pytest.mark.parametrize(("transport", "seed"), [("shm", 1), ("rpc", 3)])
+def test_load_weights_in_buckets_changes_outputs(engine, tmp_path, transport, seed):
+    # shm: each bucket through a file (here in tmp_path, to see it removed); rpc: its bytes
+    # inside vLLM's IPC. Either way, in both of vLLM's modes, the outputs follow the new weights
+    other, tokenizer = tiny_model(seed=seed)
     batch = prompt_ids(tokenizer)
     params = SamplingParams(1.0, max_new_tokens=8, seed=11)
     before = engine.generate(batch, 2, params)
     engine.bucket_bytes = 64 << 10  # several buckets for this small model
+    engine.weight_transport, engine.shm_dir = transport, str(tmp_path)
     engine.load_weights({n: t.detach().numpy() for n, t in other.state_dict().items()}, 5)
+    assert list(tmp_path.iterdir()) == []
     after = engine.generate(batch, 2, params)
     assert engine.version == 5
     pairs = [
@@ -74,6 +79,35 @@ def test_load_weights_in_buckets_changes_outputs(engine):
     )
     # and what it generates now is exactly the new weights' distribution
     for prompt, row in zip(batch, after, strict=True):
+        for c in row:
+            np.testing.assert_allclose(
+                c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
+            )
+
+
+def test_a_bad_update_is_refused_whole_and_the_next_one_applies(engine, tmp_path):
+    # the last of several buckets names a parameter with the wrong shape: refused before any
+    # bucket reaches vLLM (whose loader would fail on it with a bare AssertionError after
+    # tearing down part of the model), the version stays, no file is left, and the next
+    # update applies whole
+    other, tokenizer = tiny_model(seed=4)
+    good = {n: t.detach().numpy() for n, t in other.state_dict().items()}
+    last = list(good)[-1]
+    bad = {**good, last: np.zeros((3, 3), dtype=good[last].dtype)}
+    engine.bucket_bytes = 64 << 10
+    engine.weight_transport, engine.shm_dir = "shm", str(tmp_path)
+    version = engine.version
+    with pytest.raises(ValueError, match=rf"parameter '{last}': got shape \(3, 3\)"):
+        engine.load_weights(bad, version + 1)
+    with pytest.raises(KeyError, match="unknown parameter 'nope'"):
+        engine.load_weights({**good, "nope": good[last]}, version + 1)
+    assert engine.version == version
+    assert list(tmp_path.iterdir()) == []
+    engine.load_weights(good, version + 2)
+    assert engine.version == version + 2
+    batch = prompt_ids(tokenizer)
+    out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=7))
+    for prompt, row in zip(batch, out, strict=True):
         for c in row:
             np.testing.assert_allclose(
                 c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
