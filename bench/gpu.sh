@@ -8,6 +8,7 @@
 #   bash bench/gpu.sh pipeline-vllm  # bench/pipeline.py, SmolLM2, lock-step vs async, vLLM
 #   bash bench/gpu.sh pipeline-hf    # the same with the hf engine
 #   bash bench/gpu.sh sync           # bench/sync.py: weight publish + load, SmolLM2
+#   bash bench/gpu.sh vllm-load      # bench/vllm_load.py: vLLM's load, shm vs rpc transport
 #   bash bench/gpu.sh all            # every part, one after the other
 #
 # Each part writes PART.log under $OUT (default ./gpu-results; the quickstart also its run
@@ -16,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|sync|all"
+usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|sync|vllm-load|all"
 part=${1:?$usage}
 out=${OUT:-gpu-results}
 limit=${PART_LIMIT_S:-540}
@@ -59,13 +60,14 @@ one() {
             run pipeline-hf "$python" bench/pipeline.py --model smollm2 --engine hf \
                 --steps 20 "${share[@]}" ;;
         sync) run sync "$python" bench/sync.py --model smollm2-135m ;;
+        vllm-load) run vllm-load "$python" bench/vllm_load.py --model smollm2-135m ;;
         *) echo "$usage" >&2; return 2 ;;
     esac
 }
 
 if [ "$part" = all ]; then
     status=0
-    for p in tests quickstart pipeline-vllm pipeline-hf sync; do
+    for p in tests quickstart pipeline-vllm pipeline-hf sync vllm-load; do
         one "$p" || status=1
     done
     exit "$status"

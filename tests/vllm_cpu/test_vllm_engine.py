@@ -40,6 +40,16 @@ def teacher_forced(model, prompt, tokens, temperature):
     return logp.gather(1, torch.as_tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).numpy()
 
 
+def assert_samples_from(model, batch, out) -> None:
+    """Every sampled token's behaviour log-prob is the teacher-forced one under `model` (at
+    temperature 1): the engine sampled from exactly that model's distribution."""
+    for prompt, row in zip(batch, out, strict=True):
+        for c in row:
+            np.testing.assert_allclose(
+                c.logprobs, teacher_forced(model, prompt, c.token_ids, 1.0), atol=1e-4
+            )
+
+
 def test_the_default_weight_transport_follows_vllms_mode(engine):
     # auto: a file in /dev/shm when vLLM's worker is another process, the RPC itself when it
     # is this one (a plain call: a file only adds two copies, 1.5-1.7 s against 0.9-1.1 s for
@@ -88,11 +98,7 @@ def test_load_weights_in_buckets_changes_outputs(engine, tmp_path, transport, se
         for a, b in pairs
     )
     # and what it generates now is exactly the new weights' distribution
-    for prompt, row in zip(batch, after, strict=True):
-        for c in row:
-            np.testing.assert_allclose(
-                c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
-            )
+    assert_samples_from(other, batch, after)
 
 
 def test_a_bad_update_is_refused_whole_and_the_next_one_applies(engine, tmp_path):
@@ -117,11 +123,7 @@ def test_a_bad_update_is_refused_whole_and_the_next_one_applies(engine, tmp_path
     assert engine.version == version + 2
     batch = prompt_ids(tokenizer)
     out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=7))
-    for prompt, row in zip(batch, out, strict=True):
-        for c in row:
-            np.testing.assert_allclose(
-                c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
-            )
+    assert_samples_from(other, batch, out)
 
 
 def _send_weights(port: int, seed: int, bucket_bytes: int) -> None:
@@ -154,11 +156,7 @@ def test_broadcast_update_reaches_the_engines_own_process(engine):
     assert engine.version == 9
     batch = prompt_ids(tokenizer)
     out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=5))
-    for prompt, row in zip(batch, out, strict=True):
-        for c in row:
-            np.testing.assert_allclose(
-                c.logprobs, teacher_forced(other, prompt, c.token_ids, 1.0), atol=1e-4
-            )
+    assert_samples_from(other, batch, out)
 
 
 def test_an_update_reaches_the_tied_output_layer_of_smollm2(monkeypatch):
@@ -188,8 +186,4 @@ def test_an_update_reaches_the_tied_output_layer_of_smollm2(monkeypatch):
     engine.load_weights(host_arrays(model.state_dict(), copy=True), 1)
     batch = prompt_ids(tokenizer)
     out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=1))
-    for prompt, row in zip(batch, out, strict=True):
-        for c in row:
-            np.testing.assert_allclose(
-                c.logprobs, teacher_forced(model, prompt, c.token_ids, 1.0), atol=1e-4
-            )
+    assert_samples_from(model, batch, out)
