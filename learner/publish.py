@@ -258,10 +258,12 @@ def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
 
 
 def read_bucket(layout: WireLayout, path: str | Path) -> dict[str, np.ndarray]:
-    """The arrays `write_bucket` wrote to `path`, read in one copy into memory of this
-    process (writable, so a tensor can wrap them without another copy), checked against the
+    """The arrays `write_bucket` wrote to `path`: read-only views of the file mapped into
+    this process (no copy; the mapping outlives the file's removal), checked against the
     layout as `unpack_bucket` checks bytes."""
-    data = np.fromfile(path, dtype=np.uint8)
+    if os.path.getsize(path) == 0:  # an empty file cannot be mapped
+        return unpack_bucket(layout, b"")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     return unpack_bucket(layout, data.data)
 
 

