@@ -279,8 +279,9 @@ class VLLMEngine:
         self._version = version
 
     def _load_through_file(self, bucket: Any, tag: str, first: bool, last: bool) -> None:
-        """One bucket through a file in shared memory, removed once the workers have read it
-        (also when they fail)."""
+        """One bucket through a file in shared memory, removed once the workers have mapped
+        it (also when they fail); its pages live on in their mappings until the update is
+        applied, so /dev/shm holds up to one model's bytes during an update."""
         nbytes = sum(a.nbytes for a in bucket.values())
         free = shutil.disk_usage(self.shm_dir).free
         if free < nbytes:
