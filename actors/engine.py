@@ -23,7 +23,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Completion", "RolloutEngine", "SamplingParams", "WeightsUpdate", "as_named_arrays"]
+__all__ = [
+    "Completion",
+    "RolloutEngine",
+    "SamplingParams",
+    "WeightsUpdate",
+    "as_named_arrays",
+    "check_parameter",
+]
 
 WeightsUpdate = Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
 """Named arrays: parameter name -> numpy array (bfloat16 may arrive as an int16 view)."""
@@ -100,3 +107,17 @@ class RolloutEngine(Protocol):
 
 def as_named_arrays(weights: WeightsUpdate) -> Iterable[tuple[str, np.ndarray]]:
     return weights.items() if isinstance(weights, Mapping) else weights
+
+
+def check_parameter(
+    name: str, shape: Sequence[int], expected: Sequence[int] | None, known: Iterable[str]
+) -> None:
+    """Raise on a weight the model lacks: KeyError for an unknown `name` (`expected` None),
+    naming a few of the `known` ones; ValueError for a `shape` other than `expected`."""
+    if expected is None:
+        names = ", ".join(sorted(known)[:5])
+        raise KeyError(f"unknown parameter {name!r} (the model has e.g. {names}, ...)")
+    if tuple(shape) != tuple(expected):
+        raise ValueError(
+            f"parameter {name!r}: got shape {tuple(shape)}, the model has {tuple(expected)}"
+        )

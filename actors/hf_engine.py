@@ -16,7 +16,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from staleflow.actors.engine import Completion, SamplingParams, WeightsUpdate, as_named_arrays
+from staleflow.actors.engine import (
+    Completion,
+    SamplingParams,
+    WeightsUpdate,
+    as_named_arrays,
+    check_parameter,
+)
 
 __all__ = ["HFEngine", "load_named_arrays"]
 
@@ -221,9 +227,7 @@ def load_named_arrays(params: dict[str, torch.Tensor], weights: WeightsUpdate) -
     with torch.no_grad():
         for name, array in as_named_arrays(weights):
             target = params.get(name)
-            if target is None:
-                known = ", ".join(sorted(params)[:5])
-                raise KeyError(f"unknown parameter {name!r} (the model has e.g. {known}, ...)")
+            check_parameter(name, array.shape, None if target is None else target.shape, params)
             if isinstance(array, torch.Tensor):  # received by broadcast, maybe on the GPU
                 source = array
             else:
@@ -232,11 +236,6 @@ def load_named_arrays(params: dict[str, torch.Tensor], weights: WeightsUpdate) -
                     source = torch.from_numpy(np.ascontiguousarray(array))
             if source.dtype == torch.int16:
                 source = source.view(torch.bfloat16)
-            if tuple(source.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"parameter {name!r}: got shape {tuple(source.shape)}, the model has "
-                    f"{tuple(target.shape)}"
-                )
             target.data.copy_(source.to(dtype=target.dtype, device=target.device))
             count += 1
     return count

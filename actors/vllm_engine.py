@@ -25,7 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from staleflow.actors.engine import Completion, SamplingParams, WeightsUpdate, as_named_arrays
+from staleflow.actors.engine import (
+    Completion,
+    SamplingParams,
+    WeightsUpdate,
+    as_named_arrays,
+    check_parameter,
+)
 from staleflow.learner.publish import bucketize, pack_bucket, write_bucket
 
 __all__ = ["VLLMEngine", "WeightLoaderExtension"]
@@ -118,19 +124,6 @@ def parameter_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
-def check_shapes(shapes: dict[str, tuple[int, ...]], arrays: dict[str, np.ndarray]) -> None:
-    """Raise, as the hf engine's load does, on an unknown name or a shape the model lacks."""
-    for name, array in arrays.items():
-        expected = shapes.get(name)
-        if expected is None:
-            known = ", ".join(sorted(shapes)[:5])
-            raise KeyError(f"unknown parameter {name!r} (the model has e.g. {known}, ...)")
-        if tuple(np.shape(array)) != expected:
-            raise ValueError(
-                f"parameter {name!r}: got shape {tuple(np.shape(array))}, the model has {expected}"
-            )
 
 
 class VLLMEngine:
@@ -267,7 +260,8 @@ class VLLMEngine:
         checked first: vLLM's loaders fail on a wrong shape with a bare AssertionError, after
         they have torn down part of the model, so a bad update must never reach them."""
         arrays = dict(as_named_arrays(weights))
-        check_shapes(self.shapes, arrays)
+        for name, array in arrays.items():
+            check_parameter(name, array.shape, self.shapes.get(name), self.shapes)
         parts = bucketize(arrays, self.bucket_bytes)
         for i, bucket in enumerate(parts):
             first, last = i == 0, i == len(parts) - 1

@@ -44,8 +44,9 @@ def test_learner_step_on_cuda_equals_the_cpu_step():
         assert gpu_metrics[key] == pytest.approx(cpu_metrics[key], rel=1e-3, abs=1e-5), key
     # Adam's first step moves each weight by lr * g / (|g| + eps), lr = 1e-3, eps = 1e-8:
     # +-lr wherever |g| >> eps, the same on both devices. Only where g is within rounding of 0
-    # can the two differ, by at most lr. On an H100 (2026-11-24) that was 2 of 16384 entries
-    # of one matrix, by 8.8e-5. So: nearly every entry equal to 1e-5, none apart by over lr.
+    # can the two differ (by up to 2 lr if the rounding flipped g's sign at |g| ~ eps). On an
+    # H100 (2026-11-24) 2 of 16384 entries of one matrix differed, by 8.8e-5. So: nearly every
+    # entry equal to 1e-5, none apart by over lr.
     for name, array in cpu_weights.items():
         apart = np.abs(gpu_weights[name].astype(np.float64) - array)
         assert (apart > 1e-5 + 1e-4 * np.abs(array)).mean() <= 1e-3, name

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from staleflow.actors.vllm_engine import WeightLoaderExtension, check_shapes
+from staleflow.actors.engine import check_parameter
+from staleflow.actors.vllm_engine import WeightLoaderExtension
 from staleflow.learner.publish import (
     bucketize,
     pack_bucket,
@@ -148,10 +149,13 @@ def test_an_update_that_stopped_half_way_does_not_leak_into_the_next(tmp_path):
     assert [name for name, _ in update] == ["new"]
 
 
-def test_vllm_updates_are_checked_against_the_models_shapes_before_sending():
+def test_weights_are_checked_against_the_models_names_and_shapes():
+    # check_parameter: what the vLLM engine runs on a whole update before sending any of it,
+    # and the hf engine on each entry before copying it
     shapes = {"w": (3, 4), "b": (4,)}
-    check_shapes(shapes, {"w": np.zeros((3, 4)), "b": np.zeros(4)})
+    for name, array in {"w": np.zeros((3, 4)), "b": np.zeros(4)}.items():
+        check_parameter(name, array.shape, shapes.get(name), shapes)
     with pytest.raises(ValueError, match=r"parameter 'b': got shape \(5,\), the model has \(4,\)"):
-        check_shapes(shapes, {"w": np.zeros((3, 4)), "b": np.zeros(5)})
+        check_parameter("b", (5,), shapes["b"], shapes)
     with pytest.raises(KeyError, match=r"unknown parameter 'c' \(the model has e.g. b, w, ...\)"):
-        check_shapes(shapes, {"c": np.zeros(1)})
+        check_parameter("c", (1,), shapes.get("c"), shapes)
