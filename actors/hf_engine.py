@@ -10,7 +10,7 @@ the whole [steps, batch, vocab] history.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -142,6 +142,22 @@ class HFEngine:
         if self._sync_group is None:
             raise RuntimeError("receive_broadcast before join_sync_group")
         self.load_weights(broadcast_receive(self._sync_group, layouts), version)
+
+    def receive_shared(self, buckets: list[Any], version: int) -> None:
+        """Load an update learner rank 0 shares in place (staleflow.learner.ipc): each bucket
+        is opened as views of the learner's memory and copied into the parameters. The device
+        is synchronised before returning: the learner frees the memory after this call."""
+        from staleflow.learner.ipc import open_bucket
+
+        def opened() -> Iterator[tuple[str, Any]]:
+            for bucket in buckets:
+                yield from open_bucket(bucket).items()
+
+        try:
+            self.load_weights(opened(), version)
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------------- internals
 

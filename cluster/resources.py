@@ -20,7 +20,9 @@ __all__ = [
     "ActorRequest",
     "NodeCapacity",
     "PlacementError",
+    "check_colocated",
     "check_custom_resources",
+    "check_ipc_shares",
     "check_sync_method",
     "cluster_nodes",
     "fit",
@@ -162,16 +164,18 @@ def check_sync_method(cfg: Any) -> None:
             f"sync.method: nccl needs the learner and every worker on GPUs of their own "
             f"(learner.gpus_per_rank >= 1 and rollout.gpus_per_worker >= 1; got "
             f"{learner.gpus_per_rank:g} and {rollout.gpus_per_worker:g}): NCCL cannot join two "
-            "ranks on one GPU, and CPU roles have none. Use sync.method: ray for colocated "
-            "runs, or sync.method: gloo for CPU roles"
+            "ranks on one GPU, and CPU roles have none. Use sync.method: ipc (or ray) for "
+            "colocated runs, or sync.method: gloo for CPU roles"
         )
     if sync.method == "gloo" and (learner.gpus_per_rank > 0 or rollout.gpus_per_worker > 0):
         raise PlacementError(
             "sync.method: gloo broadcasts from CPU memory and is meant for CPU roles "
             "(learner.gpus_per_rank=0, rollout.gpus_per_worker=0); with GPUs use sync.method: "
-            "nccl (separate GPUs) or ray"
+            "nccl (separate GPUs), ipc (one shared GPU) or ray"
         )
-    broadcast = sync.method in ("nccl", "gloo")
+    if sync.method == "ipc":
+        check_ipc_shares(learner.gpus_per_rank, rollout.gpus_per_worker)
+    broadcast = sync.method in sync.PUSH_METHODS
     if broadcast and sync.mode == "lockstep":
         if sync.offset > 0:
             raise PlacementError(
@@ -187,6 +191,40 @@ def check_sync_method(cfg: Any) -> None:
             )
     if broadcast and rollout.engine == "vllm" and rollout.gpus_per_worker > 1:
         raise PlacementError(
-            "broadcast sync with a vLLM engine over several GPUs is not supported; "
-            "use rollout.gpus_per_worker <= 1 or sync.method: ray"
+            f"sync.method: {sync.method} with a vLLM engine over several GPUs is not "
+            "supported; use rollout.gpus_per_worker <= 1 or sync.method: ray"
+        )
+
+
+def check_ipc_shares(learner_gpus: float, worker_gpus: float) -> None:
+    """sync.method ipc: the engines read learner rank 0's memory, so both roles must be where
+    that memory is: shares of one GPU, or CPU roles (on one node, checked once placed)."""
+    if (learner_gpus > 0) != (worker_gpus > 0) or learner_gpus >= 1 or worker_gpus >= 1:
+        raise PlacementError(
+            "sync.method: ipc shares learner rank 0's memory with the engines in place, so "
+            "they must share its device: fractions of one GPU (0 < learner.gpus_per_rank < 1 "
+            "and 0 < rollout.gpus_per_worker < 1) or CPU roles (both 0); got "
+            f"{learner_gpus:g} and {worker_gpus:g}. Use sync.method: nccl for roles on GPUs "
+            "of their own, or ray"
+        )
+
+
+Place = tuple[str, list[str]]  # (Ray node id, the GPU ids Ray assigned; [] for a CPU role)
+
+
+def check_colocated(learner: Place, workers: dict[str, Place]) -> None:
+    """sync.method ipc, once placed: every worker on learner rank 0's node and GPU."""
+    away = {name: where for name, where in workers.items() if where != learner}
+    if away:
+        listed = "; ".join(f"{n} on node {w[0][:12]} GPU {w[1] or 'none'}" for n, w in away.items())
+        fix = (
+            "Run on one node with one GPU (or hide the others: CUDA_VISIBLE_DEVICES), or use "
+            "sync.method: nccl or ray"
+            if learner[1]
+            else "Run on one node (as many workers as fit beside the learner), or use "
+            "sync.method: gloo or ray"
+        )
+        raise PlacementError(
+            f"sync.method: ipc needs every rollout worker on learner rank 0's node and GPU "
+            f"(node {learner[0][:12]}, GPU {learner[1] or 'none'}), but Ray placed {listed}. " + fix
         )

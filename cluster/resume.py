@@ -30,6 +30,7 @@ from typing import Any
 from staleflow.cluster.ledger import Counts
 from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import Flow
+from staleflow.configs.schema import SyncConfig
 
 __all__ = [
     "CheckpointMixin",
@@ -213,8 +214,8 @@ class Resume:
         missing = sorted(needed - set(old))
         if missing:
             why = (
-                "broadcast methods keep no copy"
-                if method in ("nccl", "gloo")
+                f"sync.method {method} keeps no copy"
+                if method in SyncConfig.PUSH_METHODS
                 else "it was written before staleflow kept every version a lock-step "
                 "sync.offset above the interval needs"
             )

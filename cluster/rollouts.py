@@ -46,7 +46,7 @@ class Rollouts:
 
     cfg: Any
     pool: Any
-    broadcasts: bool  # sync.method nccl/gloo: a new engine gets weights only from a publish
+    broadcasts: bool  # sync.method nccl/gloo/ipc: a new engine gets weights only at a publish
     resume_hint: str
     on_fault: Callable[[str, int], None]
     shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part
@@ -114,7 +114,7 @@ class Rollouts:
         if self.broadcasts:
             raise RuntimeError(
                 f"{where} {what}. With sync.method {self.cfg.sync.method} a new engine gets "
-                "weights only from a broadcast publish, so the batch cannot be redone in this "
+                "weights only at a publish, so the batch cannot be redone in this "
                 f"run; resume it: {self.resume_hint}"
             ) from exc
         logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,

@@ -8,6 +8,10 @@
   and one collective per bucket, from the learner's device straight into the engines'
   weights. Every member takes part at once, so a broadcast waits for the workers' current
   batches; the group is formed again whenever the set of workers changed.
+- `ipc`: learner rank 0 copies its weights once into memory the engines open in place (CUDA
+  IPC handles to buffers on its GPU, or files in /dev/shm for CPU roles; staleflow.learner.ipc),
+  one remote call per worker, then frees it. Like a broadcast it loads every active worker
+  at once; every worker must be on rank 0's node and GPU, checked whenever the set changed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class WeightSync:
     @property
     def broadcasts(self) -> bool:
         """Whether publishing loads the weights into the workers right away."""
-        return bool(self.cfg.sync.method in ("nccl", "gloo"))
+        return self.cfg.sync.method in self.cfg.sync.PUSH_METHODS
 
     def publish(self, version: int) -> Any:
         """Publish the learner's current weights as `version`; returns the handle workers load
@@ -46,15 +50,37 @@ class WeightSync:
         if tuple(s.index for s in members) != self._members:
             self._form_group(members)
         ranks = self.learner.ranks
-        refs = [r.broadcast.remote(version) for r in ranks]
-        refs += [s.handle.receive_broadcast.remote(self._layouts, version) for s in members]
-        handle = get_all(refs)[0]
+        if self.cfg.sync.method == "ipc":
+            handle = self._share(members, version)
+        else:
+            refs = [r.broadcast.remote(version) for r in ranks]
+            refs += [s.handle.receive_broadcast.remote(self._layouts, version) for s in members]
+            handle = get_all(refs)[0]
         for slot in members:
             slot.version = version
         return handle
 
+    def _share(self, members: Sequence[Any], version: int) -> Any:
+        """ipc: rank 0 shares (every rank gathers), every worker loads, rank 0 frees."""
+        ranks = self.learner.ranks
+        buckets, handle = get_all([r.share.remote(version) for r in ranks])[0]
+        try:
+            get_all([s.handle.receive_shared.remote(buckets, version) for s in members])
+        finally:
+            ray.get(ranks[0].release.remote())
+        return handle
+
     def _form_group(self, members: Sequence[Any]) -> None:
         sync = self.cfg.sync
+        if sync.method == "ipc":  # no group: check every worker shares rank 0's memory
+            from staleflow.cluster.resources import check_colocated
+
+            learner = self.learner.ranks[0].place.remote()
+            places = get_all([learner] + [s.handle.place.remote() for s in members])
+            names = [f"rollout worker {s.index}" for s in members]
+            check_colocated(places[0], dict(zip(names, places[1:], strict=True)))
+            self._members = tuple(s.index for s in members)
+            return
         rank0 = self.learner.ranks[0]
         if self._layouts is None:
             ranks = self.learner.ranks

@@ -9,7 +9,7 @@ description says.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -382,6 +382,9 @@ class SyncConfig(Frozen):
     """When and how the learner's weights reach the rollout workers (docs/algorithms.md
     section 6)."""
 
+    PUSH_METHODS: ClassVar[tuple[str, ...]] = ("nccl", "gloo", "ipc")
+    """Methods that load a publish into every engine at once and keep no copy of it."""
+
     mode: Literal["lockstep", "async"] = Field(
         "lockstep", description="lockstep: exact lag schedule; async: free-running workers."
     )
@@ -391,10 +394,12 @@ class SyncConfig(Frozen):
     offset: int = Field(
         0, ge=0, le=1_000_000, description="O: rollout batches allowed before the first sync."
     )
-    method: Literal["ray", "nccl", "gloo", "checkpoint"] = Field(
+    method: Literal["ray", "nccl", "gloo", "ipc", "checkpoint"] = Field(
         "ray",
         description="Transport: Ray object store; broadcast over NCCL (GPU roles on GPUs of "
-        "their own) or gloo (CPU roles); or safetensors files in checkpoint_dir.",
+        "their own) or gloo (CPU roles); ipc: the engines read the learner's memory in place "
+        "(CUDA IPC when they share its GPU, files in /dev/shm for CPU roles on its node); or "
+        "safetensors files in checkpoint_dir.",
     )
     broadcast_timeout_s: float = Field(
         900.0,

@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "BroadcastWeights",
     "CheckpointPublisher",
     "CheckpointWeights",
     "PublishStats",
+    "PushedWeights",
     "RayPublisher",
     "RayWeights",
     "broadcast_receive",
@@ -249,9 +249,12 @@ def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
 def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
     """`pack_bucket`'s bytes written to the file `path` (one copy, no joined buffer in
     between) for a process on the same node to read with `read_bucket`; returns the layout.
-    In shared memory (/dev/shm) neither side touches a disk."""
+    In shared memory (/dev/shm) neither side touches a disk. A file of exactly that size is
+    overwritten in place, keeping its pages (fresh tmpfs pages cost more than the copy)."""
     layout, views = _wire_views(bucket)
-    with open(path, "wb") as handle:
+    size = sum(v.nbytes for v in views)
+    same = os.path.exists(path) and os.path.getsize(path) == size
+    with open(path, "r+b" if same else "wb") as handle:
         for view in views:
             handle.write(view)
     return layout
@@ -350,22 +353,24 @@ def _entry_bytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 @dataclass(frozen=True)
-class BroadcastWeights:
-    """A version sent by broadcast: the engines loaded it when it was sent (no data here)."""
+class PushedWeights:
+    """A version a push method (a broadcast; ipc) loaded into the engines as it was
+    published: no data here."""
 
     version: int
     stats: PublishStats
+    how: str = "broadcast to the engines that were in the sync group"
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
         raise RuntimeError(
-            f"weights v{self.version} were broadcast to the engines that were in the sync "
-            "group when they were published and cannot be fetched again"
+            f"weights v{self.version} were {self.how} when they were published and cannot be "
+            "fetched again"
         )
 
 
 def broadcast_send(
     group: Any, tensors: Mapping[str, Any], bucket_bytes: int, version: int
-) -> BroadcastWeights:
+) -> PushedWeights:
     """On the sender (rank 0): every bucket flattened on the group's device, one collective
     per bucket. With NCCL and the learner on a GPU the bytes never visit host memory."""
     start = time.perf_counter()
@@ -374,7 +379,7 @@ def broadcast_send(
         flat, _ = flatten_tensors(bucket, group.device)
         group.broadcast(flat)
     method = f"{group.backend} broadcast"
-    return BroadcastWeights(
+    return PushedWeights(
         version, PublishStats.measure(version, start, tensors, len(buckets), method)
     )
 

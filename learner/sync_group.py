@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["SyncGroup", "free_port", "gloo_on_node_interface", "interface_of", "node_address"]
+__all__ = [
+    "SyncGroup",
+    "free_port",
+    "gloo_on_node_interface",
+    "interface_of",
+    "node_address",
+    "ray_place",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +123,15 @@ def node_address() -> str:
     except ImportError:  # pragma: no cover - ray is a dependency
         pass
     return socket.gethostbyname(socket.gethostname())
+
+
+def ray_place() -> tuple[str, list[str]]:
+    """Where Ray put this actor: its node id and the GPU ids it was given ([] for none)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    gpus = context.get_accelerator_ids().get("GPU", [])
+    return str(context.get_node_id()), sorted(str(g) for g in gpus)
 
 
 def free_port(host: str = "") -> int:

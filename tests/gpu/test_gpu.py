@@ -85,7 +85,7 @@ def _tiny_run(tmp_path: Path, *overrides: str):
     assert summary["groups"]["reconciled"]
     rewards = [r["reward_mean"] for r in steps_of(records)]
     assert np.mean(rewards[-5:]) > np.mean(rewards[:5]), rewards  # the digits reward rises
-    return summary
+    return summary, records
 
 
 def test_tiny_run_on_one_gpu_with_the_hf_engine(tmp_path, ray_gpu):
@@ -96,6 +96,86 @@ def test_tiny_run_on_one_gpu_with_vllm_in_its_default_mode(tmp_path, ray_gpu):
     pytest.importorskip("vllm")
     _tiny_run(tmp_path, "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.3",
               "rollout.vllm.max_model_len=256", "rollout.vllm.enforce_eager=true")  # fmt: skip
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_tiny_run_on_one_gpu_with_ipc_sync(tmp_path, ray_gpu, engine):
+    # learner and worker share the GPU; every publish reaches the engine through CUDA IPC.
+    # Lag 0 with pi / mu = 1 on every token shows each one arrived (an engine a version
+    # behind samples from weights one Adam step at lr 3e-3 away); the 1e-2 allows for the
+    # GPU's generation kernels against the learner's forward pass, not for a missed update
+    vllm = ("rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.max_model_len=256",
+            "rollout.vllm.enforce_eager=true")  # fmt: skip
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    from tests.integration.tiny import steps_of
+
+    _summary, records = _tiny_run(tmp_path, "sync.method=ipc", f"rollout.engine={engine}",
+                                  *(vllm if engine == "vllm" else ()))  # fmt: skip
+    rows = steps_of(records)
+    assert [r["lag_max"] for r in rows] == [0.0] * 20
+    for r in rows:
+        assert r["ratio_min"] == pytest.approx(1.0, abs=1e-2), r["step"]
+        assert r["ratio_max"] == pytest.approx(1.0, abs=1e-2), r["step"]
+
+
+class Holder:
+    """Learner rank 0's side of sync.method ipc in a process of its own, on the shared GPU."""
+
+    def __init__(self) -> None:
+        from staleflow.actors.models import tiny_model
+
+        model, _ = tiny_model(seed=0)
+        self.tensors = {k: v.detach().cuda() for k, v in model.state_dict().items()}
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.tensors["bf16"] = torch.randn(1000, generator=g, device="cuda").bfloat16()
+        self.sharer = None
+
+    def share(self, bucket_bytes: int, model_only: bool = False):
+        from staleflow.learner.ipc import WeightSharer
+
+        tensors = {k: v for k, v in self.tensors.items() if not (model_only and k == "bf16")}
+        self.sharer = WeightSharer(bucket_bytes)
+        return self.sharer.share(tensors, version=1)[0]
+
+    def host(self) -> dict:
+        return {k: v.cpu() for k, v in self.tensors.items()}
+
+    def release(self) -> None:
+        self.sharer.release()
+
+
+def test_ipc_buckets_open_on_the_same_gpu_bit_exactly_after_a_serialiser(ray_gpu):
+    import msgpack
+    import ray
+
+    from staleflow.actors.hf_engine import HFEngine
+    from staleflow.actors.models import tiny_model
+    from staleflow.learner.ipc import open_bucket
+
+    holder = ray.remote(num_gpus=0.5)(Holder).remote()
+    expected = ray.get(holder.host.remote())
+    buckets = ray.get(holder.share.remote(64 << 10))  # 64 KiB: several buckets
+    assert len(buckets) > 1
+    assert {b.kind for b in buckets} == {"cuda"}
+    # what vLLM's IPC does to arguments: plain msgpack, then opened in another process
+    wire = msgpack.unpackb(msgpack.packb([[b.kind, b.layout, b.where] for b in buckets]))
+    opened = {k: v for b in wire for k, v in open_bucket(b).items()}
+    assert sorted(opened) == sorted(expected)
+    for name, tensor in opened.items():
+        assert tensor.device.type == "cuda"
+        assert torch.equal(tensor.cpu(), expected[name]), name
+    del opened, tensor
+    ray.get(holder.release.remote())
+    # an hf engine on the GPU loads the model's weights into its own parameters, bit for bit
+    model, tokenizer = tiny_model(seed=1)
+    engine = HFEngine(model.cuda(), tokenizer)
+    engine.receive_shared(ray.get(holder.share.remote(64 << 10, model_only=True)), 1)
+    ray.get(holder.release.remote())
+    assert engine.version == 1
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.cpu(), expected[name]), name
+    ray.kill(holder)
 
 
 @pytest.fixture(scope="module")

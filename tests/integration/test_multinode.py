@@ -73,6 +73,23 @@ def test_two_node_run_spreads_the_learner_and_reconciles(tmp_path, two_nodes):
     assert (RunDir(tmp_path / "runs/multi").latest_checkpoint() / "trainer.json").is_file()
 
 
+def test_ipc_with_a_worker_on_another_node_is_refused_at_start(tmp_path, two_nodes):
+    # 2 CPUs a node: learner rank 0 and two workers (1 CPU each) cannot all be on one node,
+    # and a worker elsewhere cannot open the learner's shared memory
+    (tmp_path / "c.yaml").write_text(TINY)
+    proc = staleflow(
+        "train", "c.yaml", "run.name=ipc", "run.steps=2", "rollout.num_workers=2",
+        "sync.method=ipc", "sync.offset=0", "--address", two_nodes.address, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode != 0, out[-3000:]
+    assert "sync.method: ipc needs every rollout worker on learner rank 0's node" in out, out
+    assert "but Ray placed rollout worker" in out
+    summary = json.loads((tmp_path / "runs/ipc/summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["steps"] == 0
+
+
 def _nodes_of_batches(run) -> list[tuple[int, str]]:
     from staleflow.cluster.rundir import read_metrics
 

@@ -3,6 +3,8 @@ real Ray (the session's `ray_local`, 8 CPUs, no GPU), real Redis, real DeepSpeed
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from staleflow.cluster.driver import Driver
@@ -28,7 +30,7 @@ def assert_on_policy_and_reconciled(summary, records, steps):
         assert r["ratio_max"] == pytest.approx(1.0, abs=1e-4), r["step"]
 
 
-@pytest.mark.parametrize("method", ["gloo", "checkpoint"])
+@pytest.mark.parametrize("method", ["gloo", "ipc", "checkpoint"])
 def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, method):
     steps = 4
     _cfg, run, summary, records = run_driver(
@@ -36,6 +38,8 @@ def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, metho
     )
     assert_on_policy_and_reconciled(summary, records, steps)
     published = sorted(p.name for p in (run.path / "weights").glob("weights-v*"))
+    if method == "ipc":  # every version's files in /dev/shm were freed once loaded
+        assert not [p for p in os.listdir("/dev/shm") if p.startswith("staleflow-ipc-")]
     if method == "checkpoint":  # default directory: <run dir>/weights; on-policy, the
         # driver deleted each version once the next was published (none is needed again)
         assert published == ["weights-v00000004.safetensors"]
@@ -82,9 +86,10 @@ def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path
     assert summary["groups"]["reconciled"]
 
 
-def test_async_gloo_run_reconciles(tmp_path, ray_local):
+@pytest.mark.parametrize("method", ["gloo", "ipc"])
+def test_async_push_run_reconciles(tmp_path, ray_local, method):
     _cfg, _run, summary, records = run_driver(
-        tmp_path, "sync.method=gloo", "sync.mode=async", "sync.offset=0",
+        tmp_path, f"sync.method={method}", "sync.mode=async", "sync.offset=0",
         "buffer.max_staleness=2", "run.steps=5",
     )  # fmt: skip
     assert summary["status"] == "completed"

@@ -10,6 +10,7 @@ from staleflow.cluster.resources import (
     ActorRequest,
     NodeCapacity,
     PlacementError,
+    check_colocated,
     check_sync_method,
     fit,
     run_requests,
@@ -114,3 +115,34 @@ def test_gpu_quickstart_fits_one_gpu_colocated_and_nothing_without_one():
     fit(run_requests(cfg), [NodeCapacity.of("gpu-box", cpus=16, gpus=1)])
     with pytest.raises(PlacementError, match="the cluster has laptop: 8 CPU, 0 GPU"):
         fit(run_requests(cfg), [NodeCapacity.of("laptop", cpus=8, gpus=0)])
+
+
+def test_ipc_needs_the_roles_on_the_learners_device():
+    check_sync_method(cfg("sync.method=ipc"))  # CPU roles: files in /dev/shm
+    share = ("learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.25", "sync.method=ipc")
+    check_sync_method(cfg(*share))  # fractions of one GPU: CUDA IPC
+    for learner, worker in ((1, 0.5), (0.5, 1), (0.5, 0), (0, 0.5)):
+        shares = (f"learner.gpus_per_rank={learner}", f"rollout.gpus_per_worker={worker}")
+        with pytest.raises(PlacementError, match=rf"fractions of one GPU .* got {learner:g} and"):
+            check_sync_method(cfg(*shares, "sync.method=ipc"))
+    # it loads every engine at publish, as a broadcast does: the same schedule limits
+    with pytest.raises(PlacementError, match=r"sync.method: ipc loads weights into the engines"):
+        check_sync_method(cfg(*share, "sync.offset=1"))
+
+
+def test_ipc_refuses_a_worker_off_the_learners_gpu_naming_where_each_is():
+    learner = ("a" * 40, ["0"])
+    check_colocated(learner, {"rollout worker 0": ("a" * 40, ["0"])})
+    with pytest.raises(PlacementError) as err:
+        check_colocated(learner, {"rollout worker 0": ("a" * 40, ["0"]),
+                                  "rollout worker 1": ("a" * 40, ["1"]),
+                                  "rollout worker 2": ("b" * 40, ["0"])})  # fmt: skip
+    message = str(err.value)
+    assert "learner rank 0's node and GPU (node aaaaaaaaaaaa, GPU ['0'])" in message
+    assert "rollout worker 1 on node aaaaaaaaaaaa GPU ['1']" in message
+    assert "rollout worker 2 on node bbbbbbbbbbbb GPU ['0']" in message
+    assert "rollout worker 0" not in message
+    assert "hide the others: CUDA_VISIBLE_DEVICES), or use sync.method: nccl or ray" in message
+    # CPU roles: the node must match, and the fix is another
+    with pytest.raises(PlacementError, match=r"GPU none.*Run on one node .*method: gloo or ray"):
+        check_colocated(("a" * 40, []), {"rollout worker 0": ("b" * 40, [])})

@@ -125,6 +125,33 @@ def test_a_bad_update_is_refused_whole_and_the_next_one_applies(engine, tmp_path
     assert_samples_from(other, batch, out)
 
 
+def test_a_shared_update_reaches_the_engines_process(engine, tmp_path):
+    # sync.method ipc: the learner's weights shared in place, one RPC with the buckets'
+    # handles: files in shared memory for CPU weights; on a GPU, with vLLM's engine core in a
+    # process of its own, CUDA IPC handles to buffers this process holds (a process cannot
+    # open its own handles, so vLLM's in-process mode gets the files there too)
+    import os
+
+    from staleflow.learner.ipc import WeightSharer
+
+    other, tokenizer = tiny_model(seed=6)
+    state = {n: t.detach() for n, t in other.state_dict().items()}
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    on_gpu = torch.cuda.is_available() and not in_process
+    sharer = WeightSharer(64 << 10, shm_dir=str(tmp_path))
+    shared = {n: t.cuda() for n, t in state.items()} if on_gpu else state
+    buckets, _ = sharer.share(shared, version=9)
+    assert len(buckets) > 1
+    assert {b.kind for b in buckets} == {"cuda" if on_gpu else "file"}
+    engine.receive_shared(buckets, 9)
+    sharer.close()
+    assert list(tmp_path.iterdir()) == []
+    assert engine.version == 9
+    batch = prompt_ids(tokenizer)
+    out = engine.generate(batch, 2, SamplingParams(1.0, max_new_tokens=8, seed=5))
+    assert_samples_from(other, batch, out)
+
+
 def _send_weights(port: int, seed: int, bucket_bytes: int) -> None:
     """Learner rank 0's side of a broadcast update, in a process of its own."""
     from staleflow.learner.publish import broadcast_send

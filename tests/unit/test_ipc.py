@@ -1,0 +1,121 @@
+"""sync.method ipc on CPU: learner rank 0's weights shared through files in shared memory, the
+buckets' plain form, an HF engine loading them, and the errors. (The CUDA IPC kind is
+checked on a GPU: tests/gpu.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from staleflow.actors.hf_engine import HFEngine
+from staleflow.actors.models import tiny_model
+from staleflow.learner import ipc
+from staleflow.learner.ipc import SharedBucket, WeightSharer, open_bucket
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(64, 32, generator=g),  # 8192 bytes
+        "b": torch.randn(300, generator=g).to(torch.bfloat16),  # 600 bytes
+        "s": torch.tensor(3.5),  # 4 bytes
+    }
+
+
+def staleflow_files(directory) -> list[str]:
+    return sorted(p for p in os.listdir(directory) if p.startswith("staleflow-ipc-"))
+
+
+def test_cpu_weights_are_shared_through_files_and_read_back_bit_exactly(tmp_path):
+    tensors = weights()
+    # buckets of at most 4 KiB: "w" alone exceeds it (a bucket of its own), "b" and "s" share
+    sharer = WeightSharer(4096, shm_dir=str(tmp_path))
+    buckets, handle = sharer.share(tensors, version=3)
+    assert handle.stats.bytes == 8192 + 600 + 4
+    assert [b.kind for b in buckets] == ["file", "file"]
+    assert len(staleflow_files(tmp_path)) == 2
+    assert handle.version == 3
+    with pytest.raises(RuntimeError, match="shared with the engines in place"):
+        handle.arrays()
+    # what crosses Ray and vLLM's IPC is plain data: JSON, msgpack and pickle carry it
+    plain = [[b.kind, b.layout, b.where] for b in buckets]
+    for wire in (json.loads(json.dumps(plain)),
+                 msgpack.unpackb(msgpack.packb(plain), raw=False),
+                 pickle.loads(pickle.dumps(buckets))):  # fmt: skip
+        opened = {}
+        for bucket in wire:
+            opened.update(open_bucket(bucket))
+        assert list(opened) == ["w", "b", "s"]
+        np.testing.assert_array_equal(opened["w"], tensors["w"].numpy())
+        # bfloat16 is read back as its int16 bit pattern, bit for bit
+        np.testing.assert_array_equal(opened["b"], tensors["b"].view(torch.int16).numpy())
+        assert opened["s"].shape == ()
+        assert opened["s"] == 3.5
+    sharer.release()
+
+    # the next update overwrites the same files in place (their inodes, so their pages, stay)
+    inodes = {p: os.stat(tmp_path / p).st_ino for p in staleflow_files(tmp_path)}
+    tensors["w"] += 1.0
+    buckets, _ = sharer.share(tensors, version=4)
+    assert {p: os.stat(tmp_path / p).st_ino for p in staleflow_files(tmp_path)} == inodes
+    np.testing.assert_array_equal(open_bucket(buckets[0])["w"], tensors["w"].numpy())
+    sharer.close()
+    assert staleflow_files(tmp_path) == []
+    sharer.close()  # twice is harmless
+
+
+def test_a_sharer_removes_what_a_killed_run_of_its_name_left(tmp_path):
+    for name in ("staleflow-ipc-run-0", "staleflow-ipc-run-1", "staleflow-ipc-run-2-0"):
+        (tmp_path / name).write_bytes(b"x")
+    WeightSharer(4096, shm_dir=str(tmp_path), tag="run")
+    assert staleflow_files(tmp_path) == ["staleflow-ipc-run-2-0"]  # run "run-2"'s is kept
+
+
+def test_an_hf_engine_loads_shared_weights_into_its_parameters(tmp_path):
+    source, _ = tiny_model(seed=0)
+    model, tokenizer = tiny_model(seed=1)
+    engine = HFEngine(model, tokenizer)
+    state = {k: v.detach() for k, v in source.state_dict().items()}
+    assert any(not torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    sharer = WeightSharer(1 << 20, shm_dir=str(tmp_path))
+    engine.receive_shared(sharer.share(state, version=5)[0], 5)
+    sharer.close()
+    assert engine.version == 5
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+
+
+def test_a_failed_share_leaves_no_file_behind(tmp_path, monkeypatch):
+    # a full /dev/shm fails the write: the files this share made are removed again
+    written = []
+
+    def fail_on_the_second(bucket, path):
+        if written:
+            raise OSError("No space left on device")
+        written.append(path)
+        return real(bucket, path)
+
+    real = ipc.write_bucket
+    monkeypatch.setattr(ipc, "write_bucket", fail_on_the_second)
+    with pytest.raises(OSError, match="No space left"):
+        WeightSharer(4096, shm_dir=str(tmp_path)).share(weights(), version=1)
+    assert written
+    assert staleflow_files(tmp_path) == []
+
+
+def test_share_and_open_errors_name_the_problem_and_the_fix(tmp_path):
+    with pytest.raises(OSError, match=r"does not exist.*use sync.method: ray"):
+        WeightSharer(4096, shm_dir=str(tmp_path / "missing")).share(weights(), version=1)
+    with pytest.raises(ValueError, match="unknown shared bucket kind 'tcp'"):
+        open_bucket(SharedBucket("tcp", [], []))
+    if torch.cuda.device_count() == 0:  # a handle to a GPU this process cannot see
+        cuda = SharedBucket("cuda", [["w", [2], "float32"]], ["GPU-1234", 8, 0] + [b""] * 7)
+        unseen = r"on GPU GPU-1234, which this process cannot see \(it sees no GPU\).*nccl"
+        with pytest.raises(RuntimeError, match=unseen):
+            open_bucket(cuda)
