@@ -7,6 +7,7 @@
 #   bash bench/gpu.sh quickstart     # staleflow train configs/quickstart-gpu.yaml (vLLM)
 #   bash bench/gpu.sh pipeline-vllm  # bench/pipeline.py, SmolLM2, lock-step vs async, vLLM
 #   bash bench/gpu.sh pipeline-hf    # the same with the hf engine
+#   bash bench/gpu.sh pipeline-ipc   # pipeline-vllm with sync.method ipc (CUDA IPC)
 #   bash bench/gpu.sh sync           # bench/sync.py: weight publish + load, SmolLM2
 #   bash bench/gpu.sh vllm-load      # bench/vllm_load.py: vLLM's load, shm vs rpc transport
 #   bash bench/gpu.sh all            # every part, one after the other
@@ -17,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|sync|vllm-load|all"
+usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|pipeline-ipc|sync|vllm-load|all"
 part=${1:?$usage}
 out=${OUT:-gpu-results}
 limit=${PART_LIMIT_S:-540}
@@ -59,6 +60,9 @@ one() {
         pipeline-hf)
             run pipeline-hf "$python" bench/pipeline.py --model smollm2 --engine hf \
                 --steps 20 "${share[@]}" ;;
+        pipeline-ipc)
+            run pipeline-ipc "$python" bench/pipeline.py --model smollm2 --engine vllm \
+                --steps 20 --sync-method ipc "${share[@]}" ;;
         sync) run sync "$python" bench/sync.py --model smollm2-135m ;;
         vllm-load) run vllm-load "$python" bench/vllm_load.py --model smollm2-135m ;;
         *) echo "$usage" >&2; return 2 ;;
@@ -67,7 +71,7 @@ one() {
 
 if [ "$part" = all ]; then
     status=0
-    for p in tests quickstart pipeline-vllm pipeline-hf sync vllm-load; do
+    for p in tests quickstart pipeline-vllm pipeline-hf pipeline-ipc sync vllm-load; do
         one "$p" || status=1
     done
     exit "$status"

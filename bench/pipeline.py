@@ -102,6 +102,12 @@ def main() -> int:
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     p.add_argument("--gpus-per-worker", type=float, default=0.0)
     p.add_argument("--gpus-per-rank", type=float, default=0.0)
+    p.add_argument(
+        "--sync-method",
+        choices=["ray", "ipc", "nccl", "gloo"],
+        default="ray",
+        help="sync.method of both runs (ipc: colocated roles, one GPU or CPU)",
+    )
     args = p.parse_args()
     common = [
         f"run.steps={args.steps}",
@@ -109,6 +115,7 @@ def main() -> int:
         f"rollout.engine={args.engine}",
         f"rollout.gpus_per_worker={args.gpus_per_worker}",
         f"learner.gpus_per_rank={args.gpus_per_rank}",
+        f"sync.method={args.sync_method}",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         probe = parse_config(MODELS[args.model], common)
@@ -118,7 +125,8 @@ def main() -> int:
             for name, schedule in SCHEDULES.items()
         }
     print(
-        f"[{args.model}, {args.engine} engine, {args.workers} worker(s), {args.steps} steps; "
+        f"[{args.model}, {args.engine} engine, {args.workers} worker(s), {args.steps} steps, "
+        f"sync.method {args.sync_method}; "
         "medians over steps 2..N, seconds]"
     )
     head = ("interval", "learner", "rollout", "overhead", "L busy", "R busy", "groups/s")
