@@ -63,9 +63,8 @@ class WeightLoaderExtension:
     def staleflow_load_bucket(self, layout: list[Any], data: bytes, first: bool, last: bool) -> int:
         from staleflow.learner.publish import unpack_bucket
 
-        # the received bytes are read-only: copied once so a tensor may wrap them
-        arrays = {k: v.copy() for k, v in unpack_bucket(layout, data).items()}
-        return self._staleflow_collect(arrays.items(), first, last)
+        # read-only views of the received bytes (kept alive by them): the loader only reads
+        return self._staleflow_collect(unpack_bucket(layout, data).items(), first, last)
 
     def staleflow_load_file(self, layout: list[Any], path: str, first: bool, last: bool) -> int:
         from staleflow.learner.publish import read_bucket
