@@ -144,9 +144,9 @@ class HFEngine:
         self.load_weights(broadcast_receive(self._sync_group, layouts), version)
 
     def receive_shared(self, buckets: list[Any], version: int) -> None:
-        """Load an update learner rank 0 shares in place (staleflow.learner.ipc): each bucket
+        """Load a version learner rank 0 shares in place (staleflow.learner.ipc): each bucket
         is opened as views of the learner's memory and copied into the parameters. The device
-        is synchronised before returning: the learner frees the memory after this call."""
+        is synchronised before returning, so nothing reads that memory once this returns."""
         from staleflow.learner.ipc import open_bucket
 
         def opened() -> Iterator[tuple[str, Any]]:

@@ -104,9 +104,9 @@ class WeightLoaderExtension:
         return self._staleflow_apply(list(broadcast_receive(group, layouts)))
 
     def staleflow_load_shared(self, buckets: list[Any]) -> int:
-        """A whole update shared in place by learner rank 0 (sync.method ipc): CUDA IPC views
-        of its buffers (or mapped /dev/shm files for CPU roles), applied at once; the device
-        is synchronised before returning, when the learner may free the memory."""
+        """A whole version shared in place by learner rank 0 (sync.method ipc): CUDA IPC
+        views of its buffers (or mapped /dev/shm files for CPU roles), applied at once; the
+        device is synchronised before returning, so nothing reads that memory afterwards."""
         import torch
 
         from staleflow.learner.ipc import open_bucket
@@ -323,7 +323,7 @@ class VLLMEngine:
         )
 
     def receive_shared(self, buckets: list[Any], version: int) -> None:
-        """Load an update learner rank 0 shares in place (sync.method ipc), in one RPC: only
+        """Load a version learner rank 0 shares in place (sync.method ipc), in one RPC: only
         the buckets' handles and layouts cross vLLM's IPC. Checked like `load_weights`."""
         for bucket in buckets:
             for name, shape, _dtype in bucket.layout:

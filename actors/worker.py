@@ -23,6 +23,7 @@ from staleflow.actors.engine import RolloutEngine, SamplingParams, WeightsUpdate
 from staleflow.actors.tasks import Prompt, Task, make_task
 from staleflow.buffer.records import FINISH_REASONS, Group, Response, batch_group_id
 from staleflow.buffer.replay import ReplayBuffer
+from staleflow.learner.ipc import SharedWeights
 from staleflow.learner.sync_group import node_address
 
 __all__ = [
@@ -144,11 +145,18 @@ class RolloutWorker:
 
     def load_published(self, handle: Any) -> int:
         """Install weights published by the learner (a `RayWeights` or `CheckpointWeights`
-        from staleflow.learner.publish), fetching them bucket by bucket. A failure raises
-        `WeightLoadError` with the engine's own error as its cause."""
+        from staleflow.learner.publish, fetched bucket by bucket; or a `SharedWeights` from
+        staleflow.learner.ipc, opened in place). A failure raises `WeightLoadError` with the
+        engine's own error as its cause."""
         with self._load_errors(f"loading weights v{handle.version} into the "
                                f"{type(self.engine).__name__}"):  # fmt: skip
-            return self.load_weights(handle.arrays(), handle.version)
+            if not isinstance(handle, SharedWeights):
+                return self.load_weights(handle.arrays(), handle.version)
+            receive = getattr(self.engine, "receive_shared", None)
+            if receive is None:
+                raise TypeError(f"the {type(self.engine).__name__} cannot load shared weights")
+            receive(handle.buckets, handle.version)
+            return self.engine.version
 
     def join_sync_group(
         self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float
@@ -170,16 +178,6 @@ class RolloutWorker:
         from staleflow.learner.sync_group import ray_place
 
         return ray_place()
-
-    def receive_shared(self, buckets: list[Any], version: int) -> int:
-        """Load an update learner rank 0 shares in place (sync.method ipc); it keeps the
-        memory until every engine has returned from this call."""
-        receive = getattr(self.engine, "receive_shared", None)
-        if receive is None:
-            raise TypeError(f"the {type(self.engine).__name__} cannot load shared weights")
-        with self._load_errors(f"loading shared weights v{version}"):
-            receive(buckets, version)
-        return self.engine.version
 
     @contextlib.contextmanager
     def _load_errors(self, what: str) -> Iterator[None]:

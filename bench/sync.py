@@ -60,10 +60,10 @@ class Sender:
         from staleflow.learner.ipc import WeightSharer
 
         self.sharer = self.sharer or WeightSharer(256 << 20)
-        return self.sharer.share(self.tensors, version)[0]
+        return self.sharer.share(self.tensors, version).buckets
 
-    def release(self) -> None:
-        self.sharer.release()
+    def discard(self, version: int) -> None:
+        self.sharer.discard(version)
 
     def close(self) -> None:
         if self.sharer is not None:
@@ -165,7 +165,7 @@ def main() -> int:
             try:
                 engine.receive_shared(buckets, v)  # synchronises the GPU before returning
             finally:
-                ray.get(sender.release.remote())
+                ray.get(sender.discard.remote(v))
 
         results["ipc"] = median_time(via_ipc, args.rounds)
         ray.get(sender.close.remote())

@@ -299,9 +299,7 @@ class Driver(CheckpointMixin):
         if self.resumed is not None and self.schedule.lockstep:  # batches still to redo
             keep |= {self.resumed.versions[b] for b in self.redo}
         for v in [v for v in self.published if v < min(keep)]:
-            dropped = self.published.pop(v)
-            if hasattr(dropped, "discard"):  # sync.method checkpoint: its file goes too
-                dropped.discard()
+            self.sync.discard(self.published.pop(v))  # checkpoint: its file; ipc: its copy
         self.flow.published = set(self.published)
 
     def _evaluate(self, step: int) -> None:

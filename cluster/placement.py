@@ -282,7 +282,6 @@ class LearnerRank:
         self.cfg = cfg
         self.learner = Learner(cfg, rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
-        self.run_id = run_id
         self.sync_group: Any = None
         self.sharer: WeightSharer | None = None  # sync.method ipc, rank 0
         self.publisher: Any = None
@@ -292,6 +291,8 @@ class LearnerRank:
             self.publisher = CheckpointPublisher(publish_dir)
         elif cfg.sync.method == "ray":
             self.publisher = RayPublisher(cfg.sync.bucket_mb)
+        elif cfg.sync.method == "ipc" and rank == 0:
+            self.sharer = WeightSharer(cfg.sync.bucket_mb << 20, tag=run_id)
         self.feed: BatchFeed | None = None
         self.trajectories: TrajectoryLog | None = None
         if rank == 0 and redis_url is not None and run_id is not None:
@@ -371,12 +372,15 @@ class LearnerRank:
         return groups
 
     def publish(self) -> Any:
-        """ray / checkpoint: every rank gathers (ZeRO-3 needs all); rank 0 returns the
+        """ray / checkpoint / ipc: every rank gathers (ZeRO-3 needs all); rank 0 returns the
         published handle. The arrays are host views of the weights (no copy on a CPU
-        learner): the object store or the file takes the one copy."""
+        learner): the object store or the file takes the one copy; ipc copies the tensors
+        once on their own device."""
         with self.learner.gathered_weights() as tensors:
             if self.rank != 0:
                 return None
+            if self.sharer is not None:
+                return self.sharer.share(tensors, self.learner.version)
             return self.publisher.publish(host_arrays(tensors), self.learner.version)
 
     # broadcast methods (nccl, gloo): rank 0 sends to the engines in a group of their own
@@ -411,20 +415,18 @@ class LearnerRank:
         """This rank's node id and GPU ids (ipc checks every worker shares rank 0's)."""
         return ray_place()
 
-    def share(self, version: int) -> Any:
-        """Every rank gathers under ZeRO-3; rank 0 copies the weights into memory the
-        engines can open and returns (buckets, handle); the memory stays until `release`."""
-        with self.learner.gathered_weights() as tensors:
-            if self.rank != 0:
-                return None
-            if self.sharer is None:
-                self.sharer = WeightSharer(self.cfg.sync.bucket_mb << 20, tag=self.run_id)
-            return self.sharer.share(tensors, version)
-
-    def release(self) -> None:
-        """Free what the last `share` holds (the driver calls it once every engine loaded)."""
+    def discard_shared(self, version: int) -> None:
+        """Rank 0: free a shared version no batch, evaluation or checkpoint needs any more."""
         if self.sharer is not None:
-            self.sharer.release()
+            self.sharer.discard(version)
+
+    def save_shared(self, versions: list[int], directory: str) -> None:
+        """Rank 0: write shared versions into a checkpoint's `weights/` (a resumed run
+        publishes them through the object store: its learner only has its own step's)."""
+        if self.sharer is not None:
+            publisher = CheckpointPublisher(directory)
+            for version in versions:
+                publisher.publish(self.sharer.host_arrays(version), version)
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         """Checkpoint (every rank takes part: sharded optimizer states, ZeRO-3 gathers). The
@@ -546,6 +548,9 @@ class LearnerGroup:
 
     def publish(self) -> Any:
         return ray.get([r.publish.remote() for r in self.ranks])[0]
+
+    def save_shared(self, versions: list[int], directory: str) -> None:
+        ray.get(self.ranks[0].save_shared.remote(versions, os.path.abspath(directory)))
 
     def settle(self) -> tuple[int, int]:
         """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""

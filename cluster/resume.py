@@ -108,6 +108,9 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
             driver.step, old, driver.cfg.sync.method,
         )  # fmt: skip
         return
+    if driver.cfg.sync.method == "ipc":  # the versions are learner rank 0's to write
+        driver.learner.save_shared(old, str(checkpoint / "weights"))
+        return
     publisher = CheckpointPublisher(checkpoint / "weights")
     for version in old:
         publisher.publish(dict(driver.published[version].arrays()), version)
@@ -304,7 +307,7 @@ def republish(cfg: Any, version: int, directory: Path, publish_dir: str) -> Any:
         read_published,
     )
 
-    if cfg.sync.method == "ray":
+    if cfg.sync.method in ("ray", "ipc"):  # ipc: rank 0 shares only versions it trained
         _, arrays = read_published(directory, version)
         return RayPublisher(cfg.sync.bucket_mb).publish(arrays, version)
     name = f"weights-v{version:08d}.safetensors"

@@ -9,9 +9,10 @@
   weights. Every member takes part at once, so a broadcast waits for the workers' current
   batches; the group is formed again whenever the set of workers changed.
 - `ipc`: learner rank 0 copies its weights once into memory the engines open in place (CUDA
-  IPC handles to buffers on its GPU, or files in /dev/shm for CPU roles; staleflow.learner.ipc),
-  one remote call per worker, then frees it. Like a broadcast it loads every active worker
-  at once; every worker must be on rank 0's node and GPU, checked whenever the set changed.
+  IPC handles to buffers on its GPU, or files in /dev/shm for CPU roles; staleflow.learner.ipc)
+  and keeps each version until the driver discards it; like `ray`, each worker loads it at
+  its next batch boundary. Every worker must be on rank 0's node and GPU: checked at the
+  first publish and whenever the set of workers changed since.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+
+from staleflow.learner.ipc import SharedWeights
 
 __all__ = ["WeightSync", "get_all"]
 
@@ -45,42 +48,43 @@ class WeightSync:
         """Publish the learner's current weights as `version`; returns the handle workers load
         (for broadcast methods: already loaded in every active worker)."""
         if not self.broadcasts:
+            if self.cfg.sync.method == "ipc":
+                self.check_colocated()
             return self.learner.publish()
         members = [s for s in self.pool.slots if not s.retiring]
         if tuple(s.index for s in members) != self._members:
             self._form_group(members)
         ranks = self.learner.ranks
-        if self.cfg.sync.method == "ipc":
-            handle = self._share(members, version)
-        else:
-            refs = [r.broadcast.remote(version) for r in ranks]
-            refs += [s.handle.receive_broadcast.remote(self._layouts, version) for s in members]
-            handle = get_all(refs)[0]
+        refs = [r.broadcast.remote(version) for r in ranks]
+        refs += [s.handle.receive_broadcast.remote(self._layouts, version) for s in members]
+        handle = get_all(refs)[0]
         for slot in members:
             slot.version = version
         return handle
 
-    def _share(self, members: Sequence[Any], version: int) -> Any:
-        """ipc: rank 0 shares (every rank gathers), every worker loads, rank 0 frees."""
-        ranks = self.learner.ranks
-        buckets, handle = get_all([r.share.remote(version) for r in ranks])[0]
-        try:
-            get_all([s.handle.receive_shared.remote(buckets, version) for s in members])
-        finally:
-            ray.get(ranks[0].release.remote())
-        return handle
+    def discard(self, handle: Any) -> None:
+        """A published version no batch, evaluation or checkpoint needs any more: free what
+        holds it (checkpoint: its file; ipc: learner rank 0's copy)."""
+        if hasattr(handle, "discard"):
+            handle.discard()
+        elif isinstance(handle, SharedWeights):
+            self.learner.ranks[0].discard_shared.remote(handle.version)  # in call order
+
+    def check_colocated(self) -> None:
+        """ipc: every worker on learner rank 0's node and GPU (it opens rank 0's memory)."""
+        from staleflow.cluster.resources import check_colocated
+
+        members = list(self.pool.slots)
+        if tuple(s.index for s in members) == self._members:
+            return
+        learner = self.learner.ranks[0].place.remote()
+        places = get_all([learner] + [s.handle.place.remote() for s in members])
+        names = [f"rollout worker {s.index}" for s in members]
+        check_colocated(places[0], dict(zip(names, places[1:], strict=True)))
+        self._members = tuple(s.index for s in members)
 
     def _form_group(self, members: Sequence[Any]) -> None:
         sync = self.cfg.sync
-        if sync.method == "ipc":  # no group: check every worker shares rank 0's memory
-            from staleflow.cluster.resources import check_colocated
-
-            learner = self.learner.ranks[0].place.remote()
-            places = get_all([learner] + [s.handle.place.remote() for s in members])
-            names = [f"rollout worker {s.index}" for s in members]
-            check_colocated(places[0], dict(zip(names, places[1:], strict=True)))
-            self._members = tuple(s.index for s in members)
-            return
         rank0 = self.learner.ranks[0]
         if self._layouts is None:
             ranks = self.learner.ranks

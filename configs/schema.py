@@ -382,7 +382,7 @@ class SyncConfig(Frozen):
     """When and how the learner's weights reach the rollout workers (docs/algorithms.md
     section 6)."""
 
-    PUSH_METHODS: ClassVar[tuple[str, ...]] = ("nccl", "gloo", "ipc")
+    PUSH_METHODS: ClassVar[tuple[str, ...]] = ("nccl", "gloo")
     """Methods that load a publish into every engine at once and keep no copy of it."""
 
     mode: Literal["lockstep", "async"] = Field(

@@ -1,11 +1,11 @@
 """Weight sync through memory the learner and the engines share on one machine
 (`sync.method: ipc`), for colocated roles (docs/architecture.md, "Contracts").
 
-    sharer = WeightSharer(bucket_bytes)                 # learner rank 0, for the run
-    buckets, handle = sharer.share(tensors, version)    # rank 0, at each publish
-    for bucket in buckets:                              # each engine, all at once
-        tensors = open_bucket(bucket)                   #   (views of the shared memory)
-    sharer.release()                                    # rank 0, once every engine loaded
+    sharer = WeightSharer(bucket_bytes)            # learner rank 0, for the run
+    handle = sharer.share(tensors, version)        # rank 0, at each publish: a SharedWeights
+    for bucket in handle.buckets:                  # each worker, at its next batch boundary
+        tensors = open_bucket(bucket)              #   (views of the shared memory)
+    sharer.discard(version)                        # rank 0, once the driver no longer needs it
 
 - On a GPU every bucket is one flat uint8 tensor on the learner's device (one device-to-device
   copy of its weights), and the engines receive a CUDA IPC handle to it: they read the
@@ -13,13 +13,13 @@
   (the `ray` method copies them to the host, into the object store, and back). Both ends must
   be on the same GPU: the handle names it by UUID, and a process that cannot see it is told so.
 - On CPU every bucket is a file in shared memory (/dev/shm) in the wire format of
-  staleflow.learner.publish (`write_bucket`), which the engines map; the files are
-  overwritten in place by the next update.
+  staleflow.learner.publish (`write_bucket`), which the engines map.
 
-A `SharedBucket` is plain data (strings, ints, bytes, lists): it crosses Ray and vLLM's IPC as
-it is. The learner keeps the memory until `release`, which the driver calls once every engine
-has returned from its load (an engine synchronises its device before returning, so no copy
-out of the shared memory is still in flight).
+Like `ray`, a version is published once and each worker loads it at its own next batch
+boundary, so the learner never waits for the workers. A `SharedBucket` is plain data
+(strings, ints, bytes, lists): it crosses Ray and vLLM's IPC as it is. An engine synchronises
+its device before its load returns, so no copy out of the shared memory is in flight when a
+version is discarded.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from staleflow.learner.publish import (
     PublishStats,
-    PushedWeights,
     bucketize,
     flatten_tensors,
     host_arrays,
@@ -46,7 +47,7 @@ from staleflow.learner.publish import (
     write_bucket,
 )
 
-__all__ = ["SharedBucket", "WeightSharer", "cuda_uuid", "open_bucket"]
+__all__ = ["SharedBucket", "SharedWeights", "WeightSharer", "cuda_uuid", "open_bucket"]
 
 
 @dataclass(frozen=True)
@@ -60,16 +61,35 @@ class SharedBucket:
     where: list[Any]
 
 
-class WeightSharer:
-    """Learner rank 0's side of sync.method ipc, across updates.
+@dataclass(frozen=True)
+class SharedWeights:
+    """A published version shared in place (sync.method ipc): what a worker needs to load it.
+    The memory stays on learner rank 0 until the driver discards the version."""
 
-    `share` puts the weights where the engines can read them and returns the buckets to send
-    them; the memory stays until `release`. On a GPU that is one flat buffer per bucket
-    (freed at release: the allocator takes it back once every engine has dropped its
-    mapping). On CPU the files in `shm_dir` are kept from one update to the next and
-    overwritten in place: fresh tmpfs pages cost more than the copy into them (651 MB on the
-    2-core machine: 321-589 ms into a new file, 122 ms over an existing one), so /dev/shm
-    holds one copy of the weights for the run, until `close`."""
+    version: int
+    buckets: list[SharedBucket]
+    stats: PublishStats
+
+
+@dataclass
+class _Held:
+    buckets: list[SharedBucket]
+    buffers: list[Any]  # GPU: the flat tensors
+    files: list[str]  # CPU: the files, in bucket order
+
+
+class WeightSharer:
+    """Learner rank 0's side of sync.method ipc: every published version the driver still
+    needs, in memory the engines open in place.
+
+    `share` copies the weights once: on a GPU into one flat buffer per bucket (the engines
+    get CUDA IPC handles to them), on CPU into files in `shm_dir`. A version stays until
+    `discard`: the driver discards it once no batch, evaluation or checkpoint can still load
+    it, so async with max_staleness 1 holds two versions, lockstep with sync.offset O holds up
+    to O/I + 1. A discarded version's GPU buffers go back to the allocator once every engine
+    has dropped its mapping; its files are kept for a later version and overwritten in place,
+    because fresh tmpfs pages cost more than the copy into them (651 MB on the 2-core machine:
+    321-589 ms into a new file, 122 ms over an existing one). `close` removes every file."""
 
     def __init__(
         self, bucket_bytes: int, shm_dir: str = "/dev/shm", tag: str | None = None
@@ -79,8 +99,9 @@ class WeightSharer:
         self.bucket_bytes = bucket_bytes
         self.shm_dir = shm_dir
         self.tag = tag or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._files: list[str] = []
-        self._buffers: list[Any] = []
+        self._held: dict[int, _Held] = {}
+        self._spare: list[list[str]] = []  # file sets of discarded versions
+        self._made = 0  # files created (their names' numbers)
         if tag is not None and os.path.isdir(shm_dir):
             mine = re.compile(rf"staleflow-ipc-{re.escape(tag)}-\d+")  # not run "<tag>-2"'s
             for left in Path(shm_dir).iterdir():
@@ -88,13 +109,14 @@ class WeightSharer:
                     with contextlib.suppress(FileNotFoundError):
                         left.unlink()
 
-    def share(
-        self, tensors: Mapping[str, Any], version: int
-    ) -> tuple[list[SharedBucket], PushedWeights]:
-        """(the buckets for the engines, the version's handle) of `tensors`, the learner's
-        weights on one device; what the last share held is released first."""
-        self.release()
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._held)
+
+    def share(self, tensors: Mapping[str, Any], version: int) -> SharedWeights:
+        """Share `tensors` (the learner's weights, on one device) as `version`."""
         start = time.perf_counter()
+        self.discard(version)  # the same version shared again (a resumed run) replaces it
         parts = bucketize(tensors, self.bucket_bytes)
         devices = {str(t.device) for t in tensors.values()}
         if len(devices) > 1:
@@ -102,64 +124,89 @@ class WeightSharer:
                 f"sync.method ipc: the weights are on several devices {sorted(devices)}"
             )
         on_cpu = devices <= {"cpu"}
-        try:
-            buckets = self._share_files(parts) if on_cpu else self._share_cuda(parts)
-        except BaseException:
-            self.close()  # likely out of shared memory: give back what this share took
-            raise
+        held = self._share_files(parts) if on_cpu else self._share_cuda(parts)
+        self._held[version] = held
         method = "ipc (files in shared memory)" if on_cpu else "ipc (CUDA IPC)"
         stats = PublishStats.measure(version, start, tensors, len(parts), method)
-        return buckets, PushedWeights(version, stats, "shared with the engines in place")
+        return SharedWeights(version, held.buckets, stats)
 
-    def release(self) -> None:
-        """The engines are done with the last share: free its GPU buffers (CPU files stay
-        for the next update)."""
-        if self._buffers:
+    def discard(self, version: int) -> None:
+        """No engine will load `version` any more: free it (its files are kept for reuse)."""
+        held = self._held.pop(version, None)
+        if held is None:
+            return
+        if held.files:
+            self._spare.append(held.files)
+        if held.buffers:
             import torch
 
-            self._buffers.clear()
-            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # blocks the engines have released go back now
+            held.buffers.clear()
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # released blocks go back
+
+    def host_arrays(self, version: int) -> dict[str, np.ndarray]:
+        """A held version as host arrays (bfloat16 as int16 views), e.g. for a checkpoint;
+        read from this process's own buffers (a process cannot open its own CUDA handles)."""
+        held = self._held[version]
+        out: dict[str, np.ndarray] = {}
+        for i, bucket in enumerate(held.buckets):
+            if held.buffers:
+                layout = [(n, tuple(shape), d) for n, shape, d in bucket.layout]
+                out.update(host_arrays(unflatten_tensors(held.buffers[i], layout), copy=True))
+            else:
+                arrays = read_bucket(bucket.layout, bucket.where[0])
+                out.update((name, np.array(a)) for name, a in arrays.items())
+        return out
 
     def close(self) -> None:
-        """Release and remove the files."""
-        self.release()
-        for path in self._files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._files.clear()
+        """Discard every version and remove every file."""
+        for version in list(self._held):
+            self.discard(version)
+        for files in self._spare:
+            for path in files:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        self._spare.clear()
 
-    def _share_files(self, parts: list[dict[str, Any]]) -> list[SharedBucket]:
+    def _share_files(self, parts: list[dict[str, Any]]) -> _Held:
         if not os.path.isdir(self.shm_dir):
             raise OSError(
                 f"sync.method ipc: {self.shm_dir} does not exist; CPU roles share weights "
                 "through files in it (a Linux tmpfs); use sync.method: ray here"
             )
-        sizes = [sum(int(t.nelement()) * t.element_size() for t in p.values()) for p in parts]
-        held = sum(os.path.getsize(f) for f in self._files if os.path.exists(f))
-        free = shutil.disk_usage(self.shm_dir).free + held
-        if free < sum(sizes):
-            raise OSError(
-                f"sync.method ipc: {self.shm_dir} has {free >> 20} MiB free, the weights need "
-                f"{sum(sizes) >> 20} MiB: give the machine (or container: --shm-size) more "
-                "shared memory, or use sync.method: ray"
-            )
-        for i in range(len(self._files), len(parts)):
-            self._files.append(os.path.join(self.shm_dir, f"staleflow-ipc-{self.tag}-{i}"))
-        buckets = []
-        for path, part in zip(self._files, parts, strict=False):
-            layout = write_bucket(host_arrays(part), path)
-            buckets.append(SharedBucket("file", layout, [path]))
-        return buckets
+        files = self._spare.pop() if self._spare else []
+        try:
+            sizes = [sum(int(t.nelement()) * t.element_size() for t in p.values()) for p in parts]
+            reused = sum(os.path.getsize(f) for f in files if os.path.exists(f))
+            free = shutil.disk_usage(self.shm_dir).free + reused
+            if free < sum(sizes):
+                raise OSError(
+                    f"sync.method ipc: {self.shm_dir} has {free >> 20} MiB free, a version of "
+                    f"the weights needs {sum(sizes) >> 20} MiB: give the machine (or container: "
+                    "--shm-size) more shared memory, or use sync.method: ray"
+                )
+            while len(files) < len(parts):
+                files.append(os.path.join(self.shm_dir, f"staleflow-ipc-{self.tag}-{self._made}"))
+                self._made += 1
+            buckets = []
+            for path, part in zip(files, parts, strict=False):
+                layout = write_bucket(host_arrays(part), path)
+                buckets.append(SharedBucket("file", layout, [path]))
+        except BaseException:
+            for path in files:  # likely out of shared memory: give back what this share took
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
+        return _Held(buckets, [], files)
 
-    def _share_cuda(self, parts: list[dict[str, Any]]) -> list[SharedBucket]:
-        buckets = []
+    def _share_cuda(self, parts: list[dict[str, Any]]) -> _Held:
+        buckets, buffers = [], []
         for part in parts:
             device = next(iter(part.values())).device
             flat, layout = flatten_tensors(part, device)
-            self._buffers.append(flat)
+            buffers.append(flat)
             wire = [[name, list(shape), dtype] for name, shape, dtype in layout]
             buckets.append(SharedBucket("cuda", wire, _cuda_handle(flat)))
-        return buckets
+        return _Held(buckets, buffers, [])
 
 
 def _cuda_handle(flat: Any) -> list[Any]:
@@ -221,6 +268,12 @@ def open_bucket(bucket: SharedBucket | list[Any]) -> dict[str, Any]:
         (bucket.kind, bucket.layout, bucket.where) if isinstance(bucket, SharedBucket) else bucket
     )
     if kind == "file":
+        if not os.path.exists(where[0]):
+            raise FileNotFoundError(
+                f"sync.method ipc: learner rank 0's weights file {where[0]} is not here: this "
+                "process is on another node than rank 0 (ipc needs every worker on its node), "
+                "or the version was discarded before this load"
+            )
         return read_bucket(layout, where[0])
     if kind != "cuda":
         raise ValueError(f"unknown shared bucket kind {kind!r}")

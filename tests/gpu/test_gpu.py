@@ -136,13 +136,13 @@ class Holder:
 
         tensors = {k: v for k, v in self.tensors.items() if not (model_only and k == "bf16")}
         self.sharer = WeightSharer(bucket_bytes)
-        return self.sharer.share(tensors, version=1)[0]
+        return self.sharer.share(tensors, version=1).buckets
 
     def host(self) -> dict:
         return {k: v.cpu() for k, v in self.tensors.items()}
 
     def release(self) -> None:
-        self.sharer.release()
+        self.sharer.close()
 
 
 def test_ipc_buckets_open_on_the_same_gpu_bit_exactly_after_a_serialiser(ray_gpu):

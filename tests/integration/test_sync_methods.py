@@ -38,7 +38,7 @@ def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, metho
     )
     assert_on_policy_and_reconciled(summary, records, steps)
     published = sorted(p.name for p in (run.path / "weights").glob("weights-v*"))
-    if method == "ipc":  # every version's files in /dev/shm were freed once loaded
+    if method == "ipc":  # learner rank 0 removed its files in /dev/shm at the end
         assert not [p for p in os.listdir("/dev/shm") if p.startswith("staleflow-ipc-")]
     if method == "checkpoint":  # default directory: <run dir>/weights; on-policy, the
         # driver deleted each version once the next was published (none is needed again)
@@ -73,6 +73,30 @@ def test_checkpoint_method_keeps_every_version_a_large_offset_still_needs(tmp_pa
     assert [r["lag_max"] for r in rows] == [lag(t, 1, 3) for t in range(1, 12)]
 
 
+def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path, ray_local):
+    """Lock-step I=1, O=2 through learner rank 0's shared memory: batch t uses v(t-3), so
+    three versions are held at once; the driver discards older ones (rank 0 reuses their
+    files), the checkpoint at step 6 gets v4-v5 from rank 0, and the resumed run loads them
+    through the object store."""
+    args = ["run.name=ipc", "sync.method=ipc", "sync.offset=2", "run.checkpoint_every=6"]
+    _cfg, run, summary, records = run_driver(tmp_path, *args, "run.steps=6")
+    assert summary["status"] == "completed"
+    assert summary["groups"]["reconciled"]
+    assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 1, 2) for t in range(1, 7)]
+    old = sorted(p.name for p in (run.latest_checkpoint() / "weights").glob("weights-v*"))
+    assert old == [f"weights-v0000000{v}.safetensors" for v in (4, 5)]
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith("staleflow-ipc-")]
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=9"])
+    resumed = Driver(cfg, RunDir(run.path), resume=True).run()
+    assert resumed["status"] == "completed"
+    assert resumed["groups"]["reconciled"]
+    rows = steps_of(list(read_metrics(run.metrics)))
+    # each group carries the version its engine had loaded, so the lags show every batch
+    # ran on the version the schedule gave it, v4 and v5 (from the checkpoint) included
+    assert [r["lag_max"] for r in rows] == [lag(t, 1, 2) for t in range(1, 10)]
+
+
 def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path, ray_local):
     # I = 2: batches 1-2 on v0, 3-4 on v2; evaluation every 2 steps uses the broadcast weights
     steps = 4
@@ -87,7 +111,7 @@ def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path
 
 
 @pytest.mark.parametrize("method", ["gloo", "ipc"])
-def test_async_push_run_reconciles(tmp_path, ray_local, method):
+def test_async_run_reconciles_with_each_sync_method(tmp_path, ray_local, method):
     _cfg, _run, summary, records = run_driver(
         tmp_path, f"sync.method={method}", "sync.mode=async", "sync.offset=0",
         "buffer.max_staleness=2", "run.steps=5",

@@ -48,9 +48,8 @@ def test_a_missing_version_is_refused_with_the_reason(tmp_path):
     r = checkpoint_at_step_8(tmp_path, kept=[5, 6])
     with pytest.raises(ResumeError, match=r"needs weights v\[7\].*written before staleflow kept"):
         r.check_old_weights(schedule(), "ray")
-    for method in ("nccl", "ipc"):
-        with pytest.raises(ResumeError, match=rf"v\[5, 6, 7\].*sync.method {method} keeps no copy"):
-            checkpoint_at_step_8(tmp_path / method, kept=[]).check_old_weights(schedule(), method)
+    with pytest.raises(ResumeError, match=r"v\[5, 6, 7\].*sync.method nccl keeps no copy"):
+        checkpoint_at_step_8(tmp_path / "b", kept=[]).check_old_weights(schedule(), "nccl")
 
 
 def test_a_batch_redone_in_lockstep_needs_its_own_version(tmp_path):

@@ -36,18 +36,16 @@ def test_cpu_weights_are_shared_through_files_and_read_back_bit_exactly(tmp_path
     tensors = weights()
     # buckets of at most 4 KiB: "w" alone exceeds it (a bucket of its own), "b" and "s" share
     sharer = WeightSharer(4096, shm_dir=str(tmp_path))
-    buckets, handle = sharer.share(tensors, version=3)
-    assert handle.stats.bytes == 8192 + 600 + 4
-    assert [b.kind for b in buckets] == ["file", "file"]
+    shared = sharer.share(tensors, version=3)
+    assert shared.version == 3
+    assert shared.stats.bytes == 8192 + 600 + 4
+    assert [b.kind for b in shared.buckets] == ["file", "file"]
     assert len(staleflow_files(tmp_path)) == 2
-    assert handle.version == 3
-    with pytest.raises(RuntimeError, match="shared with the engines in place"):
-        handle.arrays()
     # what crosses Ray and vLLM's IPC is plain data: JSON, msgpack and pickle carry it
-    plain = [[b.kind, b.layout, b.where] for b in buckets]
+    plain = [[b.kind, b.layout, b.where] for b in shared.buckets]
     for wire in (json.loads(json.dumps(plain)),
                  msgpack.unpackb(msgpack.packb(plain), raw=False),
-                 pickle.loads(pickle.dumps(buckets))):  # fmt: skip
+                 pickle.loads(pickle.dumps(shared)).buckets):  # fmt: skip
         opened = {}
         for bucket in wire:
             opened.update(open_bucket(bucket))
@@ -57,17 +55,42 @@ def test_cpu_weights_are_shared_through_files_and_read_back_bit_exactly(tmp_path
         np.testing.assert_array_equal(opened["b"], tensors["b"].view(torch.int16).numpy())
         assert opened["s"].shape == ()
         assert opened["s"] == 3.5
-    sharer.release()
-
-    # the next update overwrites the same files in place (their inodes, so their pages, stay)
-    inodes = {p: os.stat(tmp_path / p).st_ino for p in staleflow_files(tmp_path)}
-    tensors["w"] += 1.0
-    buckets, _ = sharer.share(tensors, version=4)
-    assert {p: os.stat(tmp_path / p).st_ino for p in staleflow_files(tmp_path)} == inodes
-    np.testing.assert_array_equal(open_bucket(buckets[0])["w"], tensors["w"].numpy())
+    # the sharer's own copy, for a checkpoint: the same values
+    saved = sharer.host_arrays(3)
+    np.testing.assert_array_equal(saved["w"], tensors["w"].numpy())
+    np.testing.assert_array_equal(saved["b"], tensors["b"].view(torch.int16).numpy())
     sharer.close()
     assert staleflow_files(tmp_path) == []
     sharer.close()  # twice is harmless
+
+
+def test_versions_stay_until_discarded_and_their_files_are_reused_in_place(tmp_path):
+    tensors = weights()
+    sharer = WeightSharer(4096, shm_dir=str(tmp_path))
+    v1 = sharer.share(tensors, version=1)
+    tensors["w"] += 1.0
+    w2 = tensors["w"].clone()
+    v2 = sharer.share(tensors, version=2)
+    # async with max_staleness 1: both versions are held, each in files of its own
+    assert sharer.versions == [1, 2]
+    assert len(staleflow_files(tmp_path)) == 4
+    np.testing.assert_array_equal(open_bucket(v1.buckets[0])["w"], weights()["w"].numpy())
+    np.testing.assert_array_equal(open_bucket(v2.buckets[0])["w"], tensors["w"].numpy())
+    inodes = {b.where[0]: os.stat(b.where[0]).st_ino for b in v1.buckets}
+    sharer.discard(1)
+    assert sharer.versions == [2]
+    assert len(staleflow_files(tmp_path)) == 4  # kept for the next version
+    tensors["w"] += 1.0
+    v3 = sharer.share(tensors, version=3)
+    # version 3 took version 1's files and overwrote them in place (same inodes: same pages)
+    assert {b.where[0]: os.stat(b.where[0]).st_ino for b in v3.buckets} == inodes
+    np.testing.assert_array_equal(open_bucket(v3.buckets[0])["w"], tensors["w"].numpy())
+    np.testing.assert_array_equal(open_bucket(v2.buckets[0])["w"], w2.numpy())
+    sharer.discard(7)  # a version it does not hold: nothing to do
+    sharer.close()
+    assert staleflow_files(tmp_path) == []
+    with pytest.raises(FileNotFoundError, match=r"weights file .* is not here: this process is"):
+        open_bucket(v2.buckets[0])
 
 
 def test_a_sharer_removes_what_a_killed_run_of_its_name_left(tmp_path):
@@ -84,7 +107,7 @@ def test_an_hf_engine_loads_shared_weights_into_its_parameters(tmp_path):
     state = {k: v.detach() for k, v in source.state_dict().items()}
     assert any(not torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     sharer = WeightSharer(1 << 20, shm_dir=str(tmp_path))
-    engine.receive_shared(sharer.share(state, version=5)[0], 5)
+    engine.receive_shared(sharer.share(state, version=5).buckets, 5)
     sharer.close()
     assert engine.version == 5
     for name, value in model.state_dict().items():

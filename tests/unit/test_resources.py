@@ -125,9 +125,9 @@ def test_ipc_needs_the_roles_on_the_learners_device():
         shares = (f"learner.gpus_per_rank={learner}", f"rollout.gpus_per_worker={worker}")
         with pytest.raises(PlacementError, match=rf"fractions of one GPU .* got {learner:g} and"):
             check_sync_method(cfg(*shares, "sync.method=ipc"))
-    # it loads every engine at publish, as a broadcast does: the same schedule limits
-    with pytest.raises(PlacementError, match=r"sync.method: ipc loads weights into the engines"):
-        check_sync_method(cfg(*share, "sync.offset=1"))
+    # it keeps every version still needed, as ray does: no broadcast's schedule limits
+    check_sync_method(cfg(*share, "sync.offset=1"))
+    check_sync_method(cfg(*share, "sync.interval=4"))
 
 
 def test_ipc_refuses_a_worker_off_the_learners_gpu_naming_where_each_is():

@@ -127,9 +127,10 @@ def test_a_bad_update_is_refused_whole_and_the_next_one_applies(engine, tmp_path
 
 def test_a_shared_update_reaches_the_engines_process(engine, tmp_path):
     # sync.method ipc: the learner's weights shared in place, one RPC with the buckets'
-    # handles: files in shared memory for CPU weights; on a GPU, with vLLM's engine core in a
-    # process of its own, CUDA IPC handles to buffers this process holds (a process cannot
-    # open its own handles, so vLLM's in-process mode gets the files there too)
+    # handles when the worker loads them: files in shared memory for CPU weights; on a GPU,
+    # with vLLM's engine core in a process of its own, CUDA IPC handles to buffers this
+    # process holds (a process cannot open its own handles, so vLLM's in-process mode gets
+    # the files there too)
     import os
 
     from staleflow.learner.ipc import WeightSharer
@@ -140,7 +141,7 @@ def test_a_shared_update_reaches_the_engines_process(engine, tmp_path):
     on_gpu = torch.cuda.is_available() and not in_process
     sharer = WeightSharer(64 << 10, shm_dir=str(tmp_path))
     shared = {n: t.cuda() for n, t in state.items()} if on_gpu else state
-    buckets, _ = sharer.share(shared, version=9)
+    buckets = sharer.share(shared, version=9).buckets
     assert len(buckets) > 1
     assert {b.kind for b in buckets} == {"cuda" if on_gpu else "file"}
     engine.receive_shared(buckets, 9)
