@@ -24,7 +24,7 @@ from staleflow.actors.tasks import Prompt, Task, make_task
 from staleflow.buffer.records import FINISH_REASONS, Group, Response, batch_group_id
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.learner.ipc import SharedWeights
-from staleflow.learner.sync_group import node_address
+from staleflow.learner.sync_group import node_address, ray_place
 
 __all__ = [
     "BatchReport",
@@ -155,6 +155,8 @@ class RolloutWorker:
             receive = getattr(self.engine, "receive_shared", None)
             if receive is None:
                 raise TypeError(f"the {type(self.engine).__name__} cannot load shared weights")
+            if handle.place is not None:  # a worker started after the check at start
+                handle.check_place(ray_place(), self.worker_id)
             receive(handle.buckets, handle.version)
             return self.engine.version
 

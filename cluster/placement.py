@@ -380,7 +380,7 @@ class LearnerRank:
             if self.rank != 0:
                 return None
             if self.sharer is not None:
-                return self.sharer.share(tensors, self.learner.version)
+                return self.sharer.share(tensors, self.learner.version, ray_place())
             return self.publisher.publish(host_arrays(tensors), self.learner.version)
 
     # broadcast methods (nccl, gloo): rank 0 sends to the engines in a group of their own

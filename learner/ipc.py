@@ -69,6 +69,19 @@ class SharedWeights:
     version: int
     buckets: list[SharedBucket]
     stats: PublishStats
+    place: tuple[str, list[str]] | None = None  # rank 0's Ray node id and GPU ids
+
+    def check_place(self, mine: tuple[str, list[str]], who: str) -> None:
+        """Raise, naming both places, unless `who` (at `mine`) can open this version."""
+        if self.place is None or tuple(mine) == tuple(self.place):
+            return
+        node, gpus = self.place
+        raise RuntimeError(
+            f"sync.method ipc: {who} is on node {mine[0][:12]} GPU {mine[1] or 'none'}, but "
+            f"learner rank 0's weights are on node {node[:12]} GPU {gpus or 'none'}; ipc "
+            "needs every worker there (run on one node, with one GPU for GPU roles), or use "
+            "sync.method: ray"
+        )
 
 
 @dataclass
@@ -113,8 +126,9 @@ class WeightSharer:
     def versions(self) -> list[int]:
         return sorted(self._held)
 
-    def share(self, tensors: Mapping[str, Any], version: int) -> SharedWeights:
-        """Share `tensors` (the learner's weights, on one device) as `version`."""
+    def share(self, tensors: Mapping[str, Any], version: int, place: Any = None) -> SharedWeights:
+        """Share `tensors` (the learner's weights, on one device) as `version`; `place`
+        (this process's Ray node id and GPU ids) lets a worker check it can open them."""
         start = time.perf_counter()
         self.discard(version)  # the same version shared again (a resumed run) replaces it
         parts = bucketize(tensors, self.bucket_bytes)
@@ -128,7 +142,7 @@ class WeightSharer:
         self._held[version] = held
         method = "ipc (files in shared memory)" if on_cpu else "ipc (CUDA IPC)"
         stats = PublishStats.measure(version, start, tensors, len(parts), method)
-        return SharedWeights(version, held.buckets, stats)
+        return SharedWeights(version, held.buckets, stats, place)
 
     def discard(self, version: int) -> None:
         """No engine will load `version` any more: free it (its files are kept for reuse)."""

@@ -93,6 +93,18 @@ def test_versions_stay_until_discarded_and_their_files_are_reused_in_place(tmp_p
         open_bucket(v2.buckets[0])
 
 
+def test_a_worker_elsewhere_is_told_where_the_weights_are(tmp_path):
+    sharer = WeightSharer(4096, shm_dir=str(tmp_path))
+    shared = sharer.share(weights(), version=1, place=("a" * 40, ["0"]))
+    shared.check_place(("a" * 40, ["0"]), "worker-0")  # the same node and GPU: fine
+    elsewhere = r"worker-1 is on node bbbbbbbbbbbb GPU \['0'\], but learner rank 0's weights are"
+    with pytest.raises(RuntimeError, match=elsewhere):
+        shared.check_place(("b" * 40, ["0"]), "worker-1")
+    with pytest.raises(RuntimeError, match=r"GPU \['1'\], but .* GPU \['0'\]"):
+        shared.check_place(("a" * 40, ["1"]), "worker-2")
+    sharer.close()
+
+
 def test_a_sharer_removes_what_a_killed_run_of_its_name_left(tmp_path):
     for name in ("staleflow-ipc-run-0", "staleflow-ipc-run-1", "staleflow-ipc-run-2-0"):
         (tmp_path / name).write_bytes(b"x")
