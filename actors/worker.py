@@ -177,8 +177,6 @@ class RolloutWorker:
 
     def place(self) -> tuple[str, list[str]]:
         """This worker's node id and GPU ids (sync.method ipc needs learner rank 0's)."""
-        from staleflow.learner.sync_group import ray_place
-
         return ray_place()
 
     @contextlib.contextmanager

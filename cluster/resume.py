@@ -108,12 +108,17 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
             driver.step, old, driver.cfg.sync.method,
         )  # fmt: skip
         return
-    if driver.cfg.sync.method == "ipc":  # the versions are learner rank 0's to write
-        driver.learner.save_shared(old, str(checkpoint / "weights"))
-        return
+    from staleflow.learner.ipc import SharedWeights
+
+    # ipc: learner rank 0 writes the versions it shares; a resumed run's older ones came
+    # through the object store (republish) and are written from here, like ray's
+    shared = [v for v in old if isinstance(driver.published[v], SharedWeights)]
     publisher = CheckpointPublisher(checkpoint / "weights")
     for version in old:
-        publisher.publish(dict(driver.published[version].arrays()), version)
+        if version not in shared:
+            publisher.publish(dict(driver.published[version].arrays()), version)
+    if shared:
+        driver.learner.save_shared(shared, str(checkpoint / "weights"))
 
 
 class CheckpointMixin:

@@ -46,7 +46,7 @@ class Rollouts:
 
     cfg: Any
     pool: Any
-    broadcasts: bool  # sync.method nccl/gloo/ipc: a new engine gets weights only at a publish
+    broadcasts: bool  # sync.method nccl/gloo: a new engine gets weights only at a publish
     resume_hint: str
     on_fault: Callable[[str, int], None]
     shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part

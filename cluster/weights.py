@@ -11,8 +11,8 @@
 - `ipc`: learner rank 0 copies its weights once into memory the engines open in place (CUDA
   IPC handles to buffers on its GPU, or files in /dev/shm for CPU roles; staleflow.learner.ipc)
   and keeps each version until the driver discards it; like `ray`, each worker loads it at
-  its next batch boundary. Every worker must be on rank 0's node and GPU: checked at the
-  first publish and whenever the set of workers changed since.
+  its next batch boundary. Every worker must be on rank 0's node and GPU: checked for all at
+  the first publish, and by a worker started later when it loads a version.
 """
 
 from __future__ import annotations
@@ -71,11 +71,14 @@ class WeightSync:
             self.learner.ranks[0].discard_shared.remote(handle.version)  # in call order
 
     def check_colocated(self) -> None:
-        """ipc: every worker on learner rank 0's node and GPU (it opens rank 0's memory)."""
+        """ipc, at the first publish (the run's start, every worker idle): every worker on
+        learner rank 0's node and GPU. A worker started later checks its own place when it
+        loads a version (SharedWeights.check_place): asking a busy one here would wait for
+        its batch."""
         from staleflow.cluster.resources import check_colocated
 
         members = list(self.pool.slots)
-        if tuple(s.index for s in members) == self._members:
+        if self._members is not None:
             return
         learner = self.learner.ranks[0].place.remote()
         places = get_all([learner] + [s.handle.place.remote() for s in members])

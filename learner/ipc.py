@@ -89,6 +89,16 @@ class _Held:
     buckets: list[SharedBucket]
     buffers: list[Any]  # GPU: the flat tensors
     files: list[str]  # CPU: the files, in bucket order
+    counters: list[tuple[bytes, int]]  # GPU: torch's reference counter of each buffer
+
+
+# torch pairs each CUDA IPC export with exactly one opener, which decrements a reference
+# counter when its storage dies; the allocator frees the buffer only when that counter is
+# exactly 0. A version here is opened by any number of engines, any number of times (none,
+# if every worker moved on first), so the engines get a counter name that does not exist
+# (torch ignores a counter it cannot open: the producer may be gone) and rank 0 releases its
+# one count itself at `discard`, when the driver knows no engine can open the version again.
+_NO_COUNTER = b"/staleflow-ipc-no-counter"
 
 
 class WeightSharer:
@@ -97,12 +107,13 @@ class WeightSharer:
 
     `share` copies the weights once: on a GPU into one flat buffer per bucket (the engines
     get CUDA IPC handles to them), on CPU into files in `shm_dir`. A version stays until
-    `discard`: the driver discards it once no batch, evaluation or checkpoint can still load
-    it, so async with max_staleness 1 holds two versions, lockstep with sync.offset O holds up
-    to O/I + 1. A discarded version's GPU buffers go back to the allocator once every engine
-    has dropped its mapping; its files are kept for a later version and overwritten in place,
-    because fresh tmpfs pages cost more than the copy into them (651 MB on the 2-core machine:
-    321-589 ms into a new file, 122 ms over an existing one). `close` removes every file."""
+    `discard`: after each publish the driver discards the versions older than the oldest one
+    a batch, evaluation or checkpoint can still load, so async holds up to max_staleness + 1
+    versions and lockstep with sync.offset O up to O/I + 1, plus the new one between its
+    share and that discard. A discarded version's GPU buffers go back to the allocator; its
+    files are kept for a later version and overwritten in place, because fresh tmpfs pages
+    cost more than the copy into them (651 MB on the 2-core machine: 321-589 ms into a new
+    file, 122 ms over an existing one). `close` removes every file."""
 
     def __init__(
         self, bucket_bytes: int, shm_dir: str = "/dev/shm", tag: str | None = None
@@ -147,13 +158,17 @@ class WeightSharer:
     def discard(self, version: int) -> None:
         """No engine will load `version` any more: free it (its files are kept for reuse)."""
         held = self._held.pop(version, None)
-        if held is None:
-            return
+        if held is not None:
+            self._free(held)
+
+    def _free(self, held: _Held) -> None:
         if held.files:
             self._spare.append(held.files)
         if held.buffers:
             import torch
 
+            for counter, offset in held.counters:  # see _NO_COUNTER
+                torch.UntypedStorage._release_ipc_counter_cuda(counter, offset)
             held.buffers.clear()
             torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # released blocks go back
 
@@ -210,25 +225,42 @@ class WeightSharer:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
-        return _Held(buckets, [], files)
+        return _Held(buckets, [], files, [])
 
     def _share_cuda(self, parts: list[dict[str, Any]]) -> _Held:
-        buckets, buffers = [], []
-        for part in parts:
-            device = next(iter(part.values())).device
-            flat, layout = flatten_tensors(part, device)
-            buffers.append(flat)
-            wire = [[name, list(shape), dtype] for name, shape, dtype in layout]
-            buckets.append(SharedBucket("cuda", wire, _cuda_handle(flat)))
-        return _Held(buckets, buffers, [])
+        import torch
+
+        _check_allocator()
+        held = _Held([], [], [], [])
+        try:
+            for part in parts:
+                device = next(iter(part.values())).device
+                flat, layout = flatten_tensors(part, device)
+                held.buffers.append(flat)
+                wire = [[name, list(shape), dtype] for name, shape, dtype in layout]
+                where, counter = _cuda_handle(flat)
+                if counter is not None:
+                    held.counters.append(counter)
+                held.buckets.append(SharedBucket("cuda", wire, where))
+            # the copies are done before any engine reads: no CUDA event per export for the
+            # engines to wait on (each open would leave one behind in the engine's process)
+            torch.cuda.current_stream(device).synchronize()
+        except BaseException:
+            self._free(held)  # what was exported before the failure
+            raise
+        return held
 
 
-def _cuda_handle(flat: Any) -> list[Any]:
-    """A flat uint8 CUDA tensor as plain fields another process can open: [GPU UUID, bytes,
-    offset in its storage, then what torch's storage._share_cuda_ returns after the device
-    index: the allocation's IPC handle, storage size and offset, the reference counter's
-    handle and offset (the allocator keeps the memory until every opener released it), and
-    an event the opener waits on (the copy that filled the buffer)]."""
+def _cuda_handle(flat: Any) -> tuple[list[Any], tuple[bytes, int] | None]:
+    """A flat uint8 CUDA tensor as plain fields another process can open, and torch's
+    reference counter for it (None for an empty tensor, which has no allocation). The fields:
+    [GPU UUID, bytes, offset in its storage, then what torch's storage._share_cuda_ returns
+    after the device index: the allocation's IPC handle, storage size and offset, a reference
+    counter (here `_NO_COUNTER`) and its offset, and an event the opener need not wait on
+    (the sharer synchronised its stream)]."""
+    gpu = cuda_uuid(flat.device.index or 0)
+    if flat.numel() == 0:
+        return [gpu, 0, 0, None, 0, 0, _NO_COUNTER, 0, None, False], None
     storage = flat.untyped_storage()
     (
         _device,
@@ -238,20 +270,34 @@ def _cuda_handle(flat: Any) -> list[Any]:
         counter_handle,
         counter_offset,
         event_handle,
-        event_sync,
+        _event_sync,
     ) = storage._share_cuda_()
-    return [
-        cuda_uuid(flat.device.index or 0),
+    fields = [
+        gpu,
         int(flat.numel()),
         int(flat.storage_offset()),
         bytes(handle),
         int(size_bytes),
         int(offset_bytes),
-        bytes(counter_handle),
+        _NO_COUNTER,
         int(counter_offset),
         bytes(event_handle) if event_handle is not None else None,
-        bool(event_sync),
+        False,  # no wait on the event: see WeightSharer._share_cuda
     ]
+    return fields, (bytes(counter_handle), int(counter_offset))
+
+
+def _check_allocator() -> None:
+    """CUDA IPC cannot export memory from torch's expandable segments (it needs a file
+    descriptor handed over, which containers often forbid) or from cudaMallocAsync."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        conf = os.environ.get(name, "").replace(" ", "")
+        if "expandable_segments:True" in conf or "backend:cudaMallocAsync" in conf:
+            raise RuntimeError(
+                f"sync.method ipc: the learner's {name}={conf!r} allocates memory CUDA IPC "
+                f"cannot share; unset expandable_segments / cudaMallocAsync for the learner, "
+                "or use sync.method: ray"
+            )
 
 
 def cuda_uuid(index: int) -> str:

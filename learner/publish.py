@@ -37,10 +37,10 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "BroadcastWeights",
     "CheckpointPublisher",
     "CheckpointWeights",
     "PublishStats",
-    "PushedWeights",
     "RayPublisher",
     "RayWeights",
     "broadcast_receive",
@@ -353,24 +353,22 @@ def _entry_bytes(shape: tuple[int, ...], dtype: str) -> int:
 
 
 @dataclass(frozen=True)
-class PushedWeights:
-    """A version a push method (a broadcast; ipc) loaded into the engines as it was
-    published: no data here."""
+class BroadcastWeights:
+    """A version sent by broadcast: the engines loaded it when it was sent (no data here)."""
 
     version: int
     stats: PublishStats
-    how: str = "broadcast to the engines that were in the sync group"
 
     def arrays(self) -> Iterator[tuple[str, np.ndarray]]:
         raise RuntimeError(
-            f"weights v{self.version} were {self.how} when they were published and cannot be "
-            "fetched again"
+            f"weights v{self.version} were broadcast to the engines that were in the sync "
+            "group when they were published and cannot be fetched again"
         )
 
 
 def broadcast_send(
     group: Any, tensors: Mapping[str, Any], bucket_bytes: int, version: int
-) -> PushedWeights:
+) -> BroadcastWeights:
     """On the sender (rank 0): every bucket flattened on the group's device, one collective
     per bucket. With NCCL and the learner on a GPU the bytes never visit host memory."""
     start = time.perf_counter()
@@ -379,7 +377,7 @@ def broadcast_send(
         flat, _ = flatten_tensors(bucket, group.device)
         group.broadcast(flat)
     method = f"{group.backend} broadcast"
-    return PushedWeights(
+    return BroadcastWeights(
         version, PublishStats.measure(version, start, tensors, len(buckets), method)
     )
 

@@ -144,6 +144,20 @@ class Holder:
     def release(self) -> None:
         self.sharer.close()
 
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+
+class Opener:
+    """An engine's side in a process of its own: opens a version's buckets and drops them."""
+
+    def open(self, buckets) -> int:
+        from staleflow.learner.ipc import open_bucket
+
+        n = sum(len(open_bucket(b)) for b in buckets)
+        torch.cuda.synchronize()
+        return n
+
 
 def test_ipc_buckets_open_on_the_same_gpu_bit_exactly_after_a_serialiser(ray_gpu):
     import msgpack
@@ -176,6 +190,30 @@ def test_ipc_buckets_open_on_the_same_gpu_bit_exactly_after_a_serialiser(ray_gpu
     for name, value in model.state_dict().items():
         assert torch.equal(value.cpu(), expected[name]), name
     ray.kill(holder)
+
+
+def test_a_discarded_version_frees_its_gpu_memory_however_often_it_was_opened(ray_gpu):
+    # torch pairs one CUDA IPC export with one opener; a version here is opened by any
+    # number of engines (or by none), so rank 0 releases it itself at discard
+    import ray
+
+    from staleflow.learner.ipc import open_bucket
+
+    holder = ray.remote(num_gpus=0.3)(Holder).remote()
+    opener = ray.remote(num_gpus=0.3)(Opener).remote()
+    baseline = ray.get(holder.allocated.remote())
+    for opens in (0, 1, 3):
+        buckets = ray.get(holder.share.remote(64 << 10, model_only=True))
+        assert ray.get(holder.allocated.remote()) > baseline
+        for _ in range(opens):  # opened here and in another process, `opens` times each
+            views = [open_bucket(b) for b in buckets]
+            del views
+            ray.get(opener.open.remote(buckets))
+        torch.cuda.synchronize()
+        ray.get(holder.release.remote())
+        assert ray.get(holder.allocated.remote()) == baseline, opens
+    ray.kill(holder)
+    ray.kill(opener)
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,8 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     """Lock-step I=1, O=2 through learner rank 0's shared memory: batch t uses v(t-3), so
     three versions are held at once; the driver discards older ones (rank 0 reuses their
     files), the checkpoint at step 6 gets v4-v5 from rank 0, and the resumed run loads them
-    through the object store."""
+    through the object store. Its end checkpoint at step 7 needs v5 (from the object store)
+    and v6 (shared by the resumed learner): both are written."""
     args = ["run.name=ipc", "sync.method=ipc", "sync.offset=2", "run.checkpoint_every=6"]
     _cfg, run, summary, records = run_driver(tmp_path, *args, "run.steps=6")
     assert summary["status"] == "completed"
@@ -87,14 +88,16 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     assert old == [f"weights-v0000000{v}.safetensors" for v in (4, 5)]
     assert not [p for p in os.listdir("/dev/shm") if p.startswith("staleflow-ipc-")]
 
-    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=9"])
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=7"])
     resumed = Driver(cfg, RunDir(run.path), resume=True).run()
     assert resumed["status"] == "completed"
     assert resumed["groups"]["reconciled"]
     rows = steps_of(list(read_metrics(run.metrics)))
     # each group carries the version its engine had loaded, so the lags show every batch
     # ran on the version the schedule gave it, v4 and v5 (from the checkpoint) included
-    assert [r["lag_max"] for r in rows] == [lag(t, 1, 2) for t in range(1, 10)]
+    assert [r["lag_max"] for r in rows] == [lag(t, 1, 2) for t in range(1, 8)]
+    old = sorted(p.name for p in (run.latest_checkpoint() / "weights").glob("weights-v*"))
+    assert old == [f"weights-v0000000{v}.safetensors" for v in (5, 6)]
 
 
 def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path, ray_local):

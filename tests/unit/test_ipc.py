@@ -105,6 +105,14 @@ def test_a_worker_elsewhere_is_told_where_the_weights_are(tmp_path):
     sharer.close()
 
 
+def test_an_allocator_cuda_ipc_cannot_share_from_is_refused(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    with pytest.raises(RuntimeError, match=r"unset expandable_segments .* or use sync.method: ray"):
+        ipc._check_allocator()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    ipc._check_allocator()  # other settings share fine
+
+
 def test_a_sharer_removes_what_a_killed_run_of_its_name_left(tmp_path):
     for name in ("staleflow-ipc-run-0", "staleflow-ipc-run-1", "staleflow-ipc-run-2-0"):
         (tmp_path / name).write_bytes(b"x")
