@@ -229,16 +229,28 @@ def test_async_without_a_bound_drops_nothing_and_still_reconciles(tmp_path, ray_
 # ----------------------------------------------------------------------------- processes
 
 
+class LoggedProcess(subprocess.Popen):
+    """A process whose output goes to a file, not a pipe: a run logs a line per step, and a
+    pipe holds 64 KiB, so a fast run a test was not reading yet blocked in a write (the
+    scale test's run stopped at step ~297 of 400 that way, once its steps took 17 ms).
+    `communicate` waits and returns the whole output, as with a pipe."""
+
+    def __init__(self, args: list[str], log: Path, **kwargs) -> None:
+        self.log = log
+        self._file = log.open("w")
+        super().__init__(args, stdout=self._file, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+    def communicate(self, input=None, timeout=None):
+        self.wait(timeout=timeout)
+        self._file.close()
+        return self.log.read_text(), None
+
+
 def staleflow(*args: str, cwd: Path, **kwargs):
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    return subprocess.Popen(
-        [sys.executable, "-m", "staleflow.cluster.cli", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        **kwargs,
+    log = Path(cwd) / f".staleflow-{time.monotonic_ns()}.log"
+    return LoggedProcess(
+        [sys.executable, "-m", "staleflow.cluster.cli", *args], log, cwd=cwd, env=env, **kwargs
     )
 
 
