@@ -182,12 +182,14 @@ def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
 
 
 def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path, ray_local):
-    # Three free-running workers, one of them slow (its reward takes 0.25 s a response, 1 s a
+    # Three free-running workers, one of them slow (its reward takes 0.5 s a response, 2 s a
     # batch; the others take ~0.1 s): batches dispatched after the slow one's finish before
-    # it, whichever batch it holds. Admission counts every running batch in its worst case,
-    # so no group is generated that the staleness rule would then drop.
+    # it, whichever batch it holds. (At 0.25 s one make test in seven saw every batch finish
+    # in order; 0.5 s gave 2-4 inversions in three runs against 2-3 before.) Admission
+    # counts every running batch in its worst case, so no group is generated that the
+    # staleness rule would then drop.
     rows = [
-        {"prompt": f"Say something #{i}", "marker": str(tmp_path / "slow"), "sleep_s": 0.25}
+        {"prompt": f"Say something #{i}", "marker": str(tmp_path / "slow"), "sleep_s": 0.5}
         for i in range(40)
     ]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
