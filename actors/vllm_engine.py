@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from staleflow.actors.engine import (
     as_named_arrays,
     check_parameter,
 )
-from staleflow.learner.publish import bucketize, pack_bucket, write_bucket
+from staleflow.learner.publish import bucketize, check_room, pack_bucket, write_bucket
 
 __all__ = ["VLLMEngine", "WeightLoaderExtension"]
 
@@ -297,14 +296,13 @@ class VLLMEngine:
         """One bucket through a file in shared memory, removed once the workers have mapped
         it (also when they fail); its pages live on in their mappings until the update is
         applied, so /dev/shm holds up to one model's bytes during an update."""
-        nbytes = sum(a.nbytes for a in bucket.values())
-        free = shutil.disk_usage(self.shm_dir).free
-        if free < nbytes:
-            raise OSError(
-                f"{self.shm_dir} has {free >> 20} MiB free, a weight bucket needs "
-                f"{nbytes >> 20} MiB: give the container more shared memory (docker run "
-                "--shm-size), lower sync.bucket_mb, or set rollout.vllm.weight_transport: rpc"
-            )
+        check_room(
+            self.shm_dir,
+            sum(a.nbytes for a in bucket.values()),
+            "a weight bucket",
+            "give the container more shared memory (docker run --shm-size), lower "
+            "sync.bucket_mb, or set rollout.vllm.weight_transport: rpc",
+        )
         path = os.path.join(self.shm_dir, f"staleflow-weights-{os.getpid()}-{tag}")
         try:
             layout = write_bucket(bucket, path)

@@ -155,8 +155,8 @@ class RolloutWorker:
             receive = getattr(self.engine, "receive_shared", None)
             if receive is None:
                 raise TypeError(f"the {type(self.engine).__name__} cannot load shared weights")
-            if handle.place is not None:  # a worker started after the check at start
-                handle.check_place(ray_place(), self.worker_id)
+            # a worker started after the check at start may be elsewhere
+            handle.check_place(ray_place(), self.worker_id)
             receive(handle.buckets, handle.version)
             return self.engine.version
 

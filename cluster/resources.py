@@ -209,22 +209,11 @@ def check_ipc_shares(learner_gpus: float, worker_gpus: float) -> None:
         )
 
 
-Place = tuple[str, list[str]]  # (Ray node id, the GPU ids Ray assigned; [] for a CPU role)
+def check_colocated(learner: Any, workers: dict[str, Any]) -> None:
+    """sync.method ipc, once placed: every worker on learner rank 0's node and GPU (places as
+    staleflow.learner.ipc.Place; the rule and message are `colocation_problem`'s)."""
+    from staleflow.learner.ipc import colocation_problem
 
-
-def check_colocated(learner: Place, workers: dict[str, Place]) -> None:
-    """sync.method ipc, once placed: every worker on learner rank 0's node and GPU."""
-    away = {name: where for name, where in workers.items() if where != learner}
-    if away:
-        listed = "; ".join(f"{n} on node {w[0][:12]} GPU {w[1] or 'none'}" for n, w in away.items())
-        fix = (
-            "Run on one node with one GPU (or hide the others: CUDA_VISIBLE_DEVICES), or use "
-            "sync.method: nccl or ray"
-            if learner[1]
-            else "Run on one node (as many workers as fit beside the learner), or use "
-            "sync.method: gloo or ray"
-        )
-        raise PlacementError(
-            f"sync.method: ipc needs every rollout worker on learner rank 0's node and GPU "
-            f"(node {learner[0][:12]}, GPU {learner[1] or 'none'}), but Ray placed {listed}. " + fix
-        )
+    problem = colocation_problem(learner, workers)
+    if problem:
+        raise PlacementError(problem)

@@ -77,9 +77,9 @@ class WeightSync:
         its batch."""
         from staleflow.cluster.resources import check_colocated
 
-        members = list(self.pool.slots)
         if self._members is not None:
             return
+        members = list(self.pool.slots)
         learner = self.learner.ranks[0].place.remote()
         places = get_all([learner] + [s.handle.place.remote() for s in members])
         names = [f"rollout worker {s.index}" for s in members]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import time
 import uuid
 from collections.abc import Mapping
@@ -40,6 +39,7 @@ import numpy as np
 from staleflow.learner.publish import (
     PublishStats,
     bucketize,
+    check_room,
     flatten_tensors,
     host_arrays,
     read_bucket,
@@ -47,7 +47,18 @@ from staleflow.learner.publish import (
     write_bucket,
 )
 
-__all__ = ["SharedBucket", "SharedWeights", "WeightSharer", "cuda_uuid", "open_bucket"]
+__all__ = [
+    "Place",
+    "SharedBucket",
+    "SharedWeights",
+    "WeightSharer",
+    "colocation_problem",
+    "cuda_uuid",
+    "open_bucket",
+]
+
+Place = tuple[str, list[str]]
+"""Where Ray put an actor: its node id and the GPU ids it was given ([] for a CPU role)."""
 
 
 @dataclass(frozen=True)
@@ -69,19 +80,33 @@ class SharedWeights:
     version: int
     buckets: list[SharedBucket]
     stats: PublishStats
-    place: tuple[str, list[str]] | None = None  # rank 0's Ray node id and GPU ids
+    place: Place | None = None  # rank 0's
 
-    def check_place(self, mine: tuple[str, list[str]], who: str) -> None:
+    def check_place(self, mine: Place, who: str) -> None:
         """Raise, naming both places, unless `who` (at `mine`) can open this version."""
-        if self.place is None or tuple(mine) == tuple(self.place):
-            return
-        node, gpus = self.place
-        raise RuntimeError(
-            f"sync.method ipc: {who} is on node {mine[0][:12]} GPU {mine[1] or 'none'}, but "
-            f"learner rank 0's weights are on node {node[:12]} GPU {gpus or 'none'}; ipc "
-            "needs every worker there (run on one node, with one GPU for GPU roles), or use "
-            "sync.method: ray"
-        )
+        problem = colocation_problem(self.place, {who: mine}) if self.place else None
+        if problem:
+            raise RuntimeError(problem)
+
+
+def colocation_problem(learner: Place, workers: Mapping[str, Place]) -> str | None:
+    """What is wrong, and the fix, when some of `workers` are not on learner rank 0's node and
+    GPU, where they could open its shared memory; None when all are."""
+    away = {name: w for name, w in workers.items() if tuple(w) != tuple(learner)}
+    if not away:
+        return None
+    listed = "; ".join(f"{n} on node {w[0][:12]} GPU {w[1] or 'none'}" for n, w in away.items())
+    fix = (
+        "Run on one node with one GPU (or hide the others: CUDA_VISIBLE_DEVICES), or use "
+        "sync.method: nccl or ray"
+        if learner[1]
+        else "Run on one node (as many workers as fit beside the learner), or use "
+        "sync.method: gloo or ray"
+    )
+    return (
+        f"sync.method: ipc needs every rollout worker on learner rank 0's node and GPU "
+        f"(node {learner[0][:12]}, GPU {learner[1] or 'none'}), but Ray placed {listed}. " + fix
+    )
 
 
 @dataclass
@@ -112,8 +137,9 @@ class WeightSharer:
     versions and lockstep with sync.offset O up to O/I + 1, plus the new one between its
     share and that discard. A discarded version's GPU buffers go back to the allocator; its
     files are kept for a later version and overwritten in place, because fresh tmpfs pages
-    cost more than the copy into them (651 MB on the 2-core machine: 321-589 ms into a new
-    file, 122 ms over an existing one). `close` removes every file."""
+    cost more than the copy into them: bench/sync.py's ipc row on SmolLM2 (651 MB, 2-core
+    CPU machine, median of 5) fell from 416 ms with a new file per update to 166 ms once
+    files were reused. `close` removes every file."""
 
     def __init__(
         self, bucket_bytes: int, shm_dir: str = "/dev/shm", tag: str | None = None
@@ -204,15 +230,14 @@ class WeightSharer:
             )
         files = self._spare.pop() if self._spare else []
         try:
-            sizes = [sum(int(t.nelement()) * t.element_size() for t in p.values()) for p in parts]
-            reused = sum(os.path.getsize(f) for f in files if os.path.exists(f))
-            free = shutil.disk_usage(self.shm_dir).free + reused
-            if free < sum(sizes):
-                raise OSError(
-                    f"sync.method ipc: {self.shm_dir} has {free >> 20} MiB free, a version of "
-                    f"the weights needs {sum(sizes) >> 20} MiB: give the machine (or container: "
-                    "--shm-size) more shared memory, or use sync.method: ray"
-                )
+            check_room(
+                self.shm_dir,
+                sum(t.nbytes for p in parts for t in p.values()),
+                "a version of the weights (sync.method ipc)",
+                "give the machine (or container: --shm-size) more shared memory, or use "
+                "sync.method: ray",
+                reusable=sum(os.path.getsize(f) for f in files if os.path.exists(f)),
+            )
             while len(files) < len(parts):
                 files.append(os.path.join(self.shm_dir, f"staleflow-ipc-{self.tag}-{self._made}"))
                 self._made += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -46,6 +47,7 @@ __all__ = [
     "broadcast_receive",
     "broadcast_send",
     "bucketize",
+    "check_room",
     "flatten_tensors",
     "host_arrays",
     "pack_bucket",
@@ -258,6 +260,17 @@ def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
         for view in views:
             handle.write(view)
     return layout
+
+
+def check_room(directory: str, nbytes: int, what: str, fix: str, reusable: int = 0) -> None:
+    """Raise OSError naming the sizes and `fix` unless `directory` (shared memory, for
+    `write_bucket`) has room for `nbytes` of `what`; `reusable` bytes of files that will be
+    overwritten count as room."""
+    free = shutil.disk_usage(directory).free + reusable
+    if free < nbytes:
+        raise OSError(
+            f"{directory} has {free >> 20} MiB free, {what} needs {nbytes >> 20} MiB: {fix}"
+        )
 
 
 def read_bucket(layout: WireLayout, path: str | Path) -> dict[str, np.ndarray]:

@@ -97,10 +97,10 @@ def test_a_worker_elsewhere_is_told_where_the_weights_are(tmp_path):
     sharer = WeightSharer(4096, shm_dir=str(tmp_path))
     shared = sharer.share(weights(), version=1, place=("a" * 40, ["0"]))
     shared.check_place(("a" * 40, ["0"]), "worker-0")  # the same node and GPU: fine
-    elsewhere = r"worker-1 is on node bbbbbbbbbbbb GPU \['0'\], but learner rank 0's weights are"
-    with pytest.raises(RuntimeError, match=elsewhere):
+    rank0 = r"rank 0's node and GPU \(node aaaaaaaaaaaa, GPU \['0'\]\), but Ray placed "
+    with pytest.raises(RuntimeError, match=rank0 + r"worker-1 on node bbbbbbbbbbbb GPU \['0'\]"):
         shared.check_place(("b" * 40, ["0"]), "worker-1")
-    with pytest.raises(RuntimeError, match=r"GPU \['1'\], but .* GPU \['0'\]"):
+    with pytest.raises(RuntimeError, match=rank0 + r"worker-2 on node aaaaaaaaaaaa GPU \['1'\]"):
         shared.check_place(("a" * 40, ["1"]), "worker-2")
     sharer.close()
 
