@@ -10,7 +10,9 @@ round measures, on one Redis server:
             and take(batch, ack=previous receipts) (the ack rides on the next read), both
             with read-ahead (the next batch is read while this one decodes), and the latter
             without it (read_ahead=False), vs raw XREADGROUP + XACK of the same entries.
-Rounds alternate which side goes first; medians over rounds are reported, ratios last
+Both sides are connected (and their consumer groups made) before anything is timed: a long
+run's steady state is compared, not connection setup. Rounds alternate which side goes
+first; medians over rounds are reported, ratios last
 (targets: >= 0.8x raw throughput, encode+decode of one group < 1 ms). Also side by side:
 push on its pinned connection vs through the pool (the pinned one held, as by another
 thread). Then where a push's time goes, per call, side by side: raw XADD; the same XADD in
@@ -68,7 +70,6 @@ def raw_push(client: redis.Redis, key: str, entries: list[dict], batch: int) -> 
 
 
 def raw_take_ack(client: redis.Redis, key: str, batch: int) -> int:
-    client.xgroup_create(key, "learner", id="0", mkstream=True)
     done = 0
     while True:
         reply = client.xreadgroup("learner", "raw", {key: ">"}, count=batch)
@@ -77,6 +78,17 @@ def raw_take_ack(client: redis.Redis, key: str, batch: int) -> int:
         ids = [entry_id for entry_id, _ in reply[0][1]]
         client.xack(key, "learner", *ids)
         done += len(ids)
+
+
+def warmed(buffer: ReplayBuffer) -> ReplayBuffer:
+    """Connect `buffer` and create its consumer group before anything is timed, as the raw
+    side's client is connected and its group made: what is compared is the steady state of
+    a long run, not connection setup (a new connection with a password costs a few round
+    trips)."""
+    buffer.take(1, learner_version=0)  # empty: makes the group, connects the consumer
+    lane = buffer._producer._lane
+    lane.release(lane.acquire())
+    return buffer
 
 
 def buffer_push(buffer: ReplayBuffer, groups: list[Group], batch: int) -> int:
@@ -137,6 +149,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
     def raw_side(r: int) -> None:
         measure("raw_push_1", lambda: raw_push(client, f"raw1:{r}", entries, 1))
         measure("raw_push_b", lambda: raw_push(client, f"rawb:{r}", entries, batch))
+        client.xgroup_create(f"rawb:{r}", "learner", id="0")
         measure("raw_take", lambda: raw_take_ack(client, f"rawb:{r}", batch))
 
     def staleflow_side(r: int) -> None:
@@ -147,6 +160,8 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
             ReplayBuffer(url, f"serial-{r}", capacity=n_groups + 1, read_ahead=False) as serial,
             ReplayBuffer(url, f"pooled-{r}", capacity=n_groups + 1) as pooled,
         ):
+            for b in (one, many, piped, serial, pooled):
+                warmed(b)
             measure("sf_push_1", lambda: buffer_push(one, groups, 1))
             lane = pooled._producer._lane  # held here, so each push takes a pooled connection
             lane.release(lane.acquire())  # (connected first, as the pinned one is by now)
@@ -229,6 +244,8 @@ def push_breakdown(url: str, client: redis.Redis, groups: list[Group], rounds: i
             ReplayBuffer(url, f"push-{r}", capacity=len(groups) + 1) as pusher,
             ReplayBuffer(url, f"encode-{r}", capacity=len(groups) + 1) as encoder,
         ):
+            for buffer in (adder, pusher, encoder):
+                warmed(buffer)
             steps: list[tuple[str, Callable[[], int]]] = [
                 ("raw XADD", lambda: raw_push(client, "raw", raw, 1)),
                 ("+ MULTI/EXEC, empty EVAL", lambda: in_tx("tx")),

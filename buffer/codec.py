@@ -78,6 +78,13 @@ _HEADER_KEYS = frozenset(
 )  # fmt: skip
 _FINISH = frozenset(FINISH_REASONS)
 _ARRAY_NAMES = {"prompt": "prompt_token_ids", "tok": "token_ids", "logp": "behavior_logp"}
+# Exact types (bool is not an int here); `_types(xs) <= _INT` checks a list in one C loop,
+# several times faster than all(type(x) is int for x in xs) on a group's K values.
+_INT, _NUMBER, _STR, _DICT = (frozenset(t) for t in ({int}, {float, int}, {str}, {dict}))
+
+
+def _types(values: list[Any] | tuple[Any, ...]) -> set[type]:
+    return set(map(type, values))
 
 
 # ----------------------------------------------------------------------------- encode
@@ -183,7 +190,7 @@ def decode_fields(fields: Mapping[Any, Any]) -> Group:
         extra = sorted(map(repr, header.keys() - _HEADER_KEYS))
         raise RecordError("header", f"missing keys {missing}, unexpected keys {extra}")
     lens = header["lens"]
-    if not (isinstance(lens, list) and all(type(n) is int for n in lens)):
+    if not (isinstance(lens, list) and _types(lens) <= _INT):
         raise RecordError("lengths", "expected a list of integers")
     k = _check_lengths(lens)
     specs = header["arrays"]
@@ -284,7 +291,7 @@ def _check_arrays(arrays: dict[str, np.ndarray], total: int) -> None:
 def _check_rewards(rewards: Any, k: int) -> list[float]:
     if not (isinstance(rewards, list) and len(rewards) == k):
         raise RecordError("rewards", f"expected {k} numbers, got {_describe(rewards)}")
-    if not all(type(r) in (float, int) for r in rewards):
+    if not _types(rewards) <= _NUMBER:
         raise RecordError("rewards", "expected numbers")
     if not math.isfinite(sum(rewards)):
         raise RecordError("rewards", "rewards must be finite")
@@ -294,7 +301,7 @@ def _check_rewards(rewards: Any, k: int) -> list[float]:
 def _check_finish(values: Any, k: int) -> tuple[str, ...]:
     if not isinstance(values, list | tuple) or len(values) != k:
         raise RecordError("finish_reasons", f"expected {k} entries, got {_describe(values)}")
-    if not all(type(v) is str for v in values) or not _FINISH.issuperset(values):
+    if not _types(values) <= _STR or not _FINISH.issuperset(values):
         bad = next(v for v in values if type(v) is not str or v not in _FINISH)
         raise RecordError("finish_reasons", f"{bad!r} is not one of {', '.join(FINISH_REASONS)}")
     return tuple(values)
@@ -303,7 +310,7 @@ def _check_finish(values: Any, k: int) -> tuple[str, ...]:
 def _check_metadata(values: Any, k: int) -> tuple[dict[str, MetaValue], ...]:
     if not isinstance(values, list | tuple) or len(values) != k:
         raise RecordError("metadata", f"expected {k} entries, got {_describe(values)}")
-    if not any(values) and all(type(m) is dict for m in values):
+    if not any(values) and _types(values) <= _DICT:
         return tuple(values)  # the common case: no metadata at all
     return tuple(_check_meta(m, f"metadata[{i}]") for i, m in enumerate(values))
 
