@@ -9,7 +9,9 @@ round measures, on one Redis server:
   take+ack: ReplayBuffer.take(batch) + ack (reclaim, XREADGROUP, decode, Lua ack + XDEL),
             and take(batch, ack=previous receipts) (the ack rides on the next read), both
             with read-ahead (the next batch is read while this one decodes), and the latter
-            without it (read_ahead=False), vs raw XREADGROUP + XACK of the same entries.
+            without it (read_ahead=False), vs raw XREADGROUP + XACK of the same entries
+            (and, for context, raw XREADGROUP + XACK + XDEL: the buffer deletes what it
+            trained on, raw XACK alone leaves it in memory).
 Both sides are connected (and their consumer groups made) before anything is timed: a long
 run's steady state is compared, not connection setup. Rounds alternate which side goes
 first; medians over rounds are reported, ratios last
@@ -69,14 +71,22 @@ def raw_push(client: redis.Redis, key: str, entries: list[dict], batch: int) -> 
     return len(entries)
 
 
-def raw_take_ack(client: redis.Redis, key: str, batch: int) -> int:
+def raw_take_ack(client: redis.Redis, key: str, batch: int, delete: bool = False) -> int:
+    """XREADGROUP + XACK; with `delete`, XACK + XDEL pipelined (one round trip), as a
+    bounded buffer must free what it trained on."""
     done = 0
     while True:
         reply = client.xreadgroup("learner", "raw", {key: ">"}, count=batch)
         if not reply:
             return done
         ids = [entry_id for entry_id, _ in reply[0][1]]
-        client.xack(key, "learner", *ids)
+        if delete:
+            pipe = client.pipeline(transaction=False)
+            pipe.xack(key, "learner", *ids)
+            pipe.xdel(key, *ids)
+            pipe.execute()
+        else:
+            client.xack(key, "learner", *ids)
         done += len(ids)
 
 
@@ -151,6 +161,9 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         measure("raw_push_b", lambda: raw_push(client, f"rawb:{r}", entries, batch))
         client.xgroup_create(f"rawb:{r}", "learner", id="0")
         measure("raw_take", lambda: raw_take_ack(client, f"rawb:{r}", batch))
+        raw_push(client, f"rawd:{r}", entries, batch)
+        client.xgroup_create(f"rawd:{r}", "learner", id="0")
+        measure("raw_take_del", lambda: raw_take_ack(client, f"rawd:{r}", batch, delete=True))
 
     def staleflow_side(r: int) -> None:
         with (
@@ -191,6 +204,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         (f"raw XADD, pipelined by {batch}", "raw_push_b"),
         (f"staleflow push_many({batch})", "sf_push_b"),
         (f"raw XREADGROUP+XACK by {batch}", "raw_take"),
+        ("  the same, XDEL pipelined", "raw_take_del"),
         (f"staleflow take({batch})+ack", "sf_take"),
         (f"staleflow take({batch}, ack=previous)", "sf_take_piped"),
         ("  the same without read-ahead", "sf_take_serial"),
@@ -205,6 +219,8 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         ("  no read-ahead    ", "sf_take_serial", "raw_take"),
     ]:
         print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
+    print(f"  (context: take+ack vs raw that also deletes what it acked, XDEL pipelined: "
+          f"{med['sf_take'] / med['raw_take_del']:.2f}x)")  # fmt: skip
     print(f"push on its pinned connection / through the pool: "
           f"{med['sf_push_1'] / med['sf_push_pooled']:.2f}x")  # fmt: skip
     push_breakdown(url, client, groups, rounds)
