@@ -214,6 +214,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    from staleflow.cluster.resources import ipc_scale_limit
     from staleflow.cluster.rundir import RunDir
 
     try:
@@ -223,6 +224,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
     status = json.loads(run.status.read_text()) if run.status.is_file() else {}
     if status.get("state") not in ("starting", "running"):
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
+    resolved = json.loads(run.config.read_text())  # the run's config (dump_config: JSON)
+    reserved = resolved["rollout"]["num_workers"]
+    if resolved["sync"]["method"] == "ipc" and args.workers > reserved:
+        return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: "
+                     + ipc_scale_limit(reserved))  # fmt: skip
     run.request_workers(args.workers)
     deadline = time.time() + args.timeout
     while time.time() < deadline:

@@ -160,17 +160,20 @@ class WorkerPool:
     run_id: str
     redis_url: str
     shared: tuple[Any, ...] = ()  # storage.SharedDir each worker must see (checked at start)
+    strategy: Any = None  # LearnerGroup.worker_strategy(): a placement group bundle, or None
     slots: list[WorkerSlot] = field(default_factory=list)
     _next_index: int = 0
 
     def __post_init__(self) -> None:
         rollout = self.cfg.rollout
+        placed = {"scheduling_strategy": self.strategy} if self.strategy is not None else {}
         self._actor = ray.remote(RolloutWorker).options(  # type: ignore[attr-defined]
             num_cpus=rollout.cpus_per_worker,
             num_gpus=rollout.gpus_per_worker,
             resources=dict(rollout.resources) or None,
             runtime_env=_actor_env(rollout.cpus_per_worker, rollout.gpus_per_worker),
             max_concurrency=1,
+            **placed,
         )
 
     @property
@@ -496,8 +499,11 @@ class LearnerGroup:
         # spread when asked; rank r lives in bundle r, and all meet on bundle 0's node.
         bundle = {"CPU": 1.0, **({"GPU": learner.gpus_per_rank} if learner.gpus_per_rank else {})}
         bundle.update(learner.resources)  # custom resources pin the ranks to labelled nodes
+        bundles = [dict(bundle) for _ in range(learner.num_ranks)]
+        if self.cfg.sync.method == "ipc":  # the workers open rank 0's memory: its bundle
+            bundles[0] = _with_workers(bundles[0], self.cfg.rollout)
         self.group = placement_group(
-            [dict(bundle) for _ in range(learner.num_ranks)],
+            bundles,
             strategy="PACK" if learner.placement == "pack" else "SPREAD",
             name=f"staleflow-learner-{self.run_id or os.getpid()}",
         )
@@ -510,7 +516,7 @@ class LearnerGroup:
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.group)
             raise TimeoutError(
-                f"the learner's {learner.num_ranks} rank(s) ({bundle} each) were not placed "
+                f"the learner's {learner.num_ranks} rank(s) (bundles {bundles}) were not placed "
                 f"within {timeout:g} s (run.start_timeout_s); the cluster has "
                 f"{ray.available_resources()} free of {ray.cluster_resources()}"
             ) from None
@@ -540,6 +546,11 @@ class LearnerGroup:
         return PlacementGroupSchedulingStrategy(
             placement_group=self.group, placement_group_bundle_index=index
         )
+
+    def worker_strategy(self) -> PlacementGroupSchedulingStrategy | None:
+        """Where rollout workers go: sync.method ipc, in rank 0's bundle (reserved for
+        rollout.num_workers beside the rank); otherwise wherever Ray finds room (None)."""
+        return self._in_bundle(0) if self.cfg.sync.method == "ipc" else None
 
     def train(self, wait_s: float, publish: bool) -> list[Any]:
         """Start `LearnerRank.train` on every rank; returns the refs, rank 0's (the report)
@@ -578,6 +589,20 @@ class LearnerGroup:
                 ray.kill(r)
             if self.group is not None:
                 remove_placement_group(self.group)
+
+
+def _with_workers(bundle: dict[str, float], rollout: Any) -> dict[str, float]:
+    """`bundle` grown by rollout.num_workers workers' resources: Ray keeps a bundle on one
+    node, and a GPU share of at most 1 on one GPU, so every worker placed in it shares
+    learner rank 0's node and GPU (sync.method ipc; resources.run_requests checks it fits)."""
+    out = dict(bundle)
+    n = rollout.num_workers
+    worker = {"CPU": rollout.cpus_per_worker, "GPU": rollout.gpus_per_worker,
+              **rollout.resources}  # fmt: skip
+    for key, amount in worker.items():
+        if amount:
+            out[key] = out.get(key, 0.0) + n * amount
+    return out
 
 
 @ray.remote(num_cpus=0)

@@ -26,6 +26,7 @@ __all__ = [
     "check_sync_method",
     "cluster_nodes",
     "fit",
+    "ipc_scale_limit",
     "run_requests",
 ]
 
@@ -41,6 +42,10 @@ class ActorRequest:
     role: str  # "learner rank 0", "rollout worker 1"
     cpus: float
     gpus: float
+    kind: str = ""  # what refusals count it as; default: `role` less its index
+
+    def counted_as(self) -> str:
+        return self.kind or self.role.rsplit(" ", 1)[0]
 
 
 @dataclass
@@ -73,6 +78,9 @@ class NodeCapacity:
         return True
 
 
+IPC_BUNDLE = "learner rank 0 with its rollout workers (sync.method: ipc)"
+
+
 def run_requests(cfg: Any) -> list[ActorRequest]:
     """Every actor the run starts, with the resources placement.py asks Ray for."""
     learner, rollout = cfg.learner, cfg.rollout
@@ -84,6 +92,17 @@ def run_requests(cfg: Any) -> list[ActorRequest]:
         ActorRequest(f"rollout worker {i}", rollout.cpus_per_worker, rollout.gpus_per_worker)
         for i in range(rollout.num_workers)
     ]
+    if cfg.sync.method == "ipc" and workers:
+        # one placement-group bundle holds rank 0 and every worker (placement.LearnerGroup),
+        # so they need one node, and one GPU for GPU roles: they are placed as one
+        n = len(workers)
+        ranks[0] = ActorRequest(
+            f"learner rank 0 with rollout workers 0-{n - 1}",
+            ranks[0].cpus + sum(w.cpus for w in workers),
+            ranks[0].gpus + sum(w.gpus for w in workers),
+            kind=IPC_BUNDLE,
+        )
+        workers = []
     return ranks + workers
 
 
@@ -120,7 +139,7 @@ def _refusal(
 ) -> str:
     asked = {}
     for r in requests:
-        role = r.role.rsplit(" ", 1)[0]
+        role = r.counted_as()
         count, cpus, gpus = asked.get(role, (0, r.cpus, r.gpus))
         asked[role] = (count + 1, cpus, gpus)
     wants = "; ".join(
@@ -129,12 +148,22 @@ def _refusal(
     total_cpu = sum(r.cpus for r in requests)
     total_gpu = sum(r.gpus for r in requests)
     has = "; ".join(f"{n.name}: {n.cpus:g} CPU, {len(n.gpus)} GPU" for n in nodes) or "no nodes"
-    hint = (
-        "GPU shares placed on one GPU must add up to at most 1 (e.g. learner.gpus_per_rank=0.5 "
-        "with two workers at rollout.gpus_per_worker=0.25), or add GPUs"
-        if failed.gpus > 0
-        else "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes"
-    )
+    if failed.kind == IPC_BUNDLE:
+        hint = (
+            "sync.method: ipc keeps learner rank 0 and every rollout worker in one placement "
+            "group bundle, so they need one node"
+            + (" and one GPU (their shares must add up to at most 1)" if failed.gpus else "")
+            + ": lower rollout.num_workers, rollout.cpus_per_worker"
+            + (" or the GPU shares" if failed.gpus else "")
+            + ", or use sync.method: ray"
+        )
+    elif failed.gpus > 0:
+        hint = (
+            "GPU shares placed on one GPU must add up to at most 1 (e.g. learner.gpus_per_rank="
+            "0.5 with two workers at rollout.gpus_per_worker=0.25), or add GPUs"
+        )
+    else:
+        hint = "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes"
     return (
         f"the cluster cannot hold this run: {failed.role} ({failed.cpus:g} CPU, "
         f"{failed.gpus:g} GPU) fits on no node. The run asks for {wants} = {total_cpu:g} CPU, "
@@ -175,6 +204,15 @@ def check_sync_method(cfg: Any) -> None:
         )
     if sync.method == "ipc":
         check_ipc_shares(learner.gpus_per_rank, rollout.gpus_per_worker)
+        shares = learner.gpus_per_rank + rollout.num_workers * rollout.gpus_per_worker
+        if shares > 1 + _EPS:
+            raise PlacementError(
+                "sync.method: ipc puts learner rank 0 and every rollout worker on one GPU, but "
+                f"learner.gpus_per_rank + rollout.num_workers x rollout.gpus_per_worker = "
+                f"{learner.gpus_per_rank:g} + {rollout.num_workers} x "
+                f"{rollout.gpus_per_worker:g} = {shares:g} > 1. Lower the shares (e.g. "
+                "0.5 + 2 x 0.25) or rollout.num_workers, or use sync.method: ray"
+            )
     broadcast = sync.method in sync.PUSH_METHODS
     if broadcast and sync.mode == "lockstep":
         if sync.offset > 0:
@@ -207,6 +245,16 @@ def check_ipc_shares(learner_gpus: float, worker_gpus: float) -> None:
             f"{learner_gpus:g} and {worker_gpus:g}. Use sync.method: nccl for roles on GPUs "
             "of their own, or ray"
         )
+
+
+def ipc_scale_limit(reserved: int) -> str:
+    """Why a run with sync.method ipc cannot grow past its rollout.num_workers."""
+    return (
+        f"sync.method: ipc reserves room for rollout.num_workers ({reserved}) rollout workers "
+        "in learner rank 0's placement group bundle at the start, and a worker anywhere else "
+        f"could not open its weights. Scale between 1 and {reserved}, or restart the run "
+        "(train --resume) with a larger rollout.num_workers"
+    )
 
 
 def check_colocated(learner: Any, workers: dict[str, Any]) -> None:

@@ -85,7 +85,9 @@ class Services:
             trajectories_dir=os.path.abspath(trajectories) if trajectories else None,
             shared=learner_dirs,
         )
-        self.pool = WorkerPool(cfg, run_id, url, shared=worker_dirs)
+        self.pool = WorkerPool(
+            cfg, run_id, url, shared=worker_dirs, strategy=self.learner.worker_strategy()
+        )
         for _ in range(cfg.rollout.num_workers):
             self.pool.add()
         self.sync = WeightSync(cfg, self.learner, self.pool)

@@ -73,9 +73,10 @@ def test_two_node_run_spreads_the_learner_and_reconciles(tmp_path, two_nodes):
     assert (RunDir(tmp_path / "runs/multi").latest_checkpoint() / "trainer.json").is_file()
 
 
-def test_ipc_with_a_worker_on_another_node_is_refused_at_start(tmp_path, two_nodes):
-    # 2 CPUs a node: learner rank 0 and two workers (1 CPU each) cannot all be on one node,
-    # and a worker elsewhere cannot open the learner's shared memory
+def test_ipc_that_cannot_share_one_node_is_refused_before_anything_starts(tmp_path, two_nodes):
+    # 2 CPUs a node: learner rank 0 and two workers (1 CPU each) share one placement-group
+    # bundle of 3 CPUs under ipc, which no node holds (a worker elsewhere could not open the
+    # learner's shared memory)
     (tmp_path / "c.yaml").write_text(TINY)
     proc = staleflow(
         "train", "c.yaml", "run.name=ipc", "run.steps=2", "rollout.num_workers=2",
@@ -83,11 +84,44 @@ def test_ipc_with_a_worker_on_another_node_is_refused_at_start(tmp_path, two_nod
     )  # fmt: skip
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode != 0, out[-3000:]
-    assert "sync.method: ipc needs every rollout worker on learner rank 0's node" in out, out
-    assert "but Ray placed rollout worker" in out
+    assert "learner rank 0 with rollout workers 0-1 (3 CPU, 0 GPU) fits on no node" in out, out
+    assert "sync.method: ipc keeps learner rank 0 and every rollout worker" in out
     summary = json.loads((tmp_path / "runs/ipc/summary.json").read_text())
     assert summary["status"] == "failed"
     assert summary["steps"] == 0
+
+
+def test_ipc_keeps_the_workers_on_learner_rank_0s_node(tmp_path):
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # The driver's node has 1 CPU, the other 3. Placed on their own, rank 0 and the worker
+    # (1 CPU each) end up apart: whichever node the rank takes, Ray puts the worker on the
+    # other (the driver's node first while it has room), and ipc refused the run. In one
+    # bundle of 2 CPUs, both go to the 3-CPU node.
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": 1, "include_dashboard": False},
+    )
+    try:
+        cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        (tmp_path / "c.yaml").write_text(TINY)
+        proc = staleflow(
+            "train", "c.yaml", "run.name=ipc", "run.steps=2", "rollout.num_workers=1",
+            "sync.method=ipc", "sync.offset=0", "--address", cluster.address, cwd=tmp_path,
+        )  # fmt: skip
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        cluster.shutdown()
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((tmp_path / "runs/ipc/summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    where = summary["placement"]
+    assert len(where["node_addresses"]) == 2
+    assert where["worker_nodes"] == where["learner_nodes"] != [where["driver_node"]], where
 
 
 def _nodes_of_batches(run) -> list[tuple[int, str]]:

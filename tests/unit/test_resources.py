@@ -146,3 +146,55 @@ def test_ipc_refuses_a_worker_off_the_learners_gpu_naming_where_each_is():
     # CPU roles: the node must match, and the fix is another
     with pytest.raises(PlacementError, match=r"GPU none.*Run on one node .*method: gloo or ray"):
         check_colocated(("a" * 40, []), {"rollout worker 0": ("b" * 40, [])})
+
+
+def test_ipc_places_learner_rank_0_and_its_workers_as_one_request():
+    run = cfg("sync.method=ipc", "rollout.num_workers=2", "learner.num_ranks=2")
+    requests = run_requests(run)
+    # rank 0's placement-group bundle holds its own CPU and each worker's: 1 + 2 x 1 = 3
+    assert [(r.role, r.cpus, r.gpus) for r in requests] == [
+        ("learner rank 0 with rollout workers 0-1", 3.0, 0.0),
+        ("learner rank 1", 1.0, 0.0),
+    ]
+    # 4 CPUs in all, but no node has the 3 that rank 0's bundle needs
+    two_nodes = [NodeCapacity.of("10.0.0.1", 2, 0), NodeCapacity.of("10.0.0.2", 2, 0)]
+    with pytest.raises(PlacementError) as err:
+        fit(requests, two_nodes)
+    message = str(err.value)
+    assert "learner rank 0 with rollout workers 0-1 (3 CPU, 0 GPU) fits on no node" in message
+    assert "1 x learner rank 0 with its rollout workers (sync.method: ipc)" in message
+    assert "in one placement group bundle, so they need one node: lower rollout" in message
+    assert message.endswith("or use sync.method: ray.")
+    fit(requests, [NodeCapacity.of("10.0.0.1", 4, 0)])  # 3 + 1 on one node of 4
+    # any other method places each actor on its own
+    assert len(run_requests(cfg("rollout.num_workers=2", "learner.num_ranks=2"))) == 4
+
+
+def test_ipc_gpu_shares_must_add_up_to_one_gpu():
+    ok = cfg(
+        "sync.method=ipc", "learner.gpus_per_rank=0.5",
+        "rollout.num_workers=2", "rollout.gpus_per_worker=0.25",
+    )  # fmt: skip
+    check_sync_method(ok)
+    [bundle] = run_requests(ok)
+    assert (bundle.cpus, bundle.gpus) == (3.0, 1.0)  # 1 + 2 x 1 CPU; 0.5 + 2 x 0.25 GPU
+    fit([bundle], [NodeCapacity.of("gpu-node", 8, 1)])
+    # 0.5 + 2 x 0.5 = 1.5: each share is below 1, the three together are not
+    too_much = cfg(
+        "sync.method=ipc", "learner.gpus_per_rank=0.5",
+        "rollout.num_workers=2", "rollout.gpus_per_worker=0.5",
+    )  # fmt: skip
+    with pytest.raises(PlacementError, match=r"= 0.5 \+ 2 x 0.5 = 1.5 > 1\. Lower the shares"):
+        check_sync_method(too_much)
+
+
+def test_the_ipc_bundle_adds_every_workers_resources_to_rank_0s():
+    from staleflow.cluster.placement import _with_workers
+
+    run = cfg(
+        "sync.method=ipc", "learner.gpus_per_rank=0.5", "rollout.num_workers=3",
+        "rollout.cpus_per_worker=2", "rollout.gpus_per_worker=0.1", "rollout.resources={accel: 1}",
+    )  # fmt: skip
+    bundle = _with_workers({"CPU": 1.0, "GPU": 0.5}, run.rollout)
+    # CPU 1 + 3 x 2 = 7; GPU 0.5 + 3 x 0.1 = 0.8; accel 3 x 1 = 3
+    assert bundle == {"CPU": 7.0, "GPU": pytest.approx(0.8), "accel": 3.0}

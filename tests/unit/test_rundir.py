@@ -87,3 +87,22 @@ def test_train_with_a_missing_model_directory_fails_clearly_before_starting_anyt
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert not (tmp_path / "r" / "redis" / "server.json").exists()  # no server was started
+
+
+def test_scale_refuses_to_grow_an_ipc_run_past_the_workers_it_reserved(tmp_path, capsys):
+    from staleflow.configs import parse_config
+    from staleflow.configs.loader import dump_config
+
+    run = RunDir.create(str(tmp_path), "r")
+    yaml = "model: {preset: tiny}\nsync: {method: ipc}\nrollout: {num_workers: 2}\n"
+    run.config.write_text(dump_config(parse_config(yaml)))
+    run.status.write_text(json.dumps({"state": "running", "workers": 2}))
+    assert main(["scale", str(run.path), "--workers", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot scale to 3 workers: sync.method: ipc reserves room for" in err
+    assert "rollout.num_workers (2)" in err
+    assert not (run.control / "scale.json").exists()
+    # down is fine: the request is written (and, with no driver here, not confirmed)
+    assert main(["scale", str(run.path), "--workers", "1", "--timeout", "0"]) == 2
+    assert "did not confirm 1 workers" in capsys.readouterr().err
+    assert run.take_worker_request() == 1
