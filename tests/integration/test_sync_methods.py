@@ -3,6 +3,7 @@ real Ray (the session's `ray_local`, 8 CPUs, no GPU), real Redis, real DeepSpeed
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -98,6 +99,23 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     assert [r["lag_max"] for r in rows] == [lag(t, 1, 2) for t in range(1, 8)]
     old = sorted(p.name for p in (run.latest_checkpoint() / "weights").glob("weights-v*"))
     assert old == [f"weights-v0000000{v}.safetensors" for v in (5, 6)]
+
+
+def test_the_driver_does_not_grow_an_ipc_run_past_its_bundle(tmp_path, ray_local, caplog):
+    """The workers of an ipc run live in learner rank 0's placement-group bundle, sized at the
+    start for rollout.num_workers: a request for more (`staleflow scale` refuses it first)
+    is refused by the driver too, not left as a worker waiting forever for room."""
+    overrides = ["sync.method=ipc", "sync.offset=0", "run.steps=3", "rollout.num_workers=2"]
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *overrides])
+    run = RunDir.create(str(tmp_path), "grow")
+    run.request_workers(3)  # read at the driver's first poll
+    with caplog.at_level(logging.ERROR, logger="staleflow.cluster.driver"):
+        summary = Driver(cfg, run).run()
+    assert summary["status"] == "completed"
+    assert summary["groups"]["reconciled"]
+    assert "not scaling to 3 rollout workers: sync.method: ipc reserves room for" in caplog.text
+    assert not [r for r in read_metrics(run.metrics) if r["kind"] == "scale"]
+    assert run.take_worker_request() is None  # taken, not left for later
 
 
 def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path, ray_local):
