@@ -224,9 +224,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
     status = json.loads(run.status.read_text()) if run.status.is_file() else {}
     if status.get("state") not in ("starting", "running"):
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
-    resolved = json.loads(run.config.read_text())  # the run's config (dump_config: JSON)
-    reserved = resolved["rollout"]["num_workers"]
-    if resolved["sync"]["method"] == "ipc" and args.workers > reserved:
+    if args.workers < 1:
+        return _fail(f"--workers must be at least 1, got {args.workers}")
+    try:  # the run's resolved config (dump_config: JSON)
+        resolved = json.loads(run.config.read_text())
+        method, reserved = resolved["sync"]["method"], resolved["rollout"]["num_workers"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return _fail(f"cannot read the run's config {run.config}: {exc!r}")
+    if method == "ipc" and args.workers > reserved:
         return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: "
                      + ipc_scale_limit(reserved))  # fmt: skip
     run.request_workers(args.workers)

@@ -32,7 +32,7 @@ from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcil
 from staleflow.cluster.resources import ipc_scale_limit
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
 from staleflow.cluster.rollouts import Rollouts
-from staleflow.cluster.rundir import MetricsWriter, write_json
+from staleflow.cluster.rundir import MetricsWriter, write_json, write_text
 from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule
 from staleflow.cluster.services import Services
 from staleflow.configs.loader import dump_config, redact
@@ -426,14 +426,8 @@ class Driver(CheckpointMixin):
             self._publish_when_idle = True
 
     def _scale(self, n: int) -> None:
-        active = self.pool.active
-        logger.info("scaling rollout workers %d -> %d", len(active), n)
-        for _ in range(n - len(active)):
-            self.pool.add()
-        for slot in active[n:]:
-            slot.retiring = True
-            if slot.busy is None:
-                self.pool.remove(slot)
+        logger.info("scaling rollout workers %d -> %d", len(self.pool.active), n)
+        self.pool.scale(n)
         self.metrics.write("scale", self.step, workers=n, wall_s=time.time() - self.started)
         self._write_status("running")
 
@@ -443,7 +437,7 @@ class Driver(CheckpointMixin):
         from staleflow.cluster.resources import check_sync_method
 
         check_sync_method(self.cfg)
-        self.rundir.config.write_text(redact(dump_config(self.cfg)) + "\n")
+        write_text(self.rundir.config, redact(dump_config(self.cfg)) + "\n")  # atomically
         # bad input fails here, before any server or process starts
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)

@@ -228,6 +228,22 @@ class WorkerPool:
         load = self._weights_for(slot, weights)
         return slot.handle.evaluate.remote(n_prompts, None, load)
 
+    def scale(self, n: int) -> None:
+        """Make `n` workers active. Going up, workers still finishing their last batch before
+        retiring stay instead (no engine to start; under ipc they still hold their room in
+        learner rank 0's bundle), then new ones start. Going down, the newest retire: an idle
+        one at once, a busy one when its batch ends (Rollouts removes it)."""
+        active = self.active
+        if n > len(active):
+            for slot in [s for s in self.slots if s.retiring][: n - len(active)]:
+                slot.retiring = False
+            for _ in range(n - len(self.active)):
+                self.add()
+        for slot in active[n:]:
+            slot.retiring = True
+            if slot.busy is None:
+                self.remove(slot)
+
     def remove(self, slot: WorkerSlot) -> None:
         ray.kill(slot.handle)
         self.slots.remove(slot)
@@ -519,6 +535,12 @@ class LearnerGroup:
                 f"the learner's {learner.num_ranks} rank(s) (bundles {bundles}) were not placed "
                 f"within {timeout:g} s (run.start_timeout_s); the cluster has "
                 f"{ray.available_resources()} free of {ray.cluster_resources()}"
+                + (
+                    " (sync.method ipc: bundle 0 holds rank 0 and every rollout worker, so it "
+                    "needs one node with all of that)"
+                    if self.cfg.sync.method == "ipc"
+                    else ""
+                )
             ) from None
         self.master = (str(host), int(port))
         actor = ray.remote(LearnerRank)  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ refused, never replaced by another.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ class ActorRequest:
     cpus: float
     gpus: float
     kind: str = ""  # what refusals count it as; default: `role` less its index
+    custom: Mapping[str, float] = field(default_factory=dict)  # learner/rollout.resources
 
     def counted_as(self) -> str:
         return self.kind or self.role.rsplit(" ", 1)[0]
@@ -53,17 +54,22 @@ class NodeCapacity:
     name: str
     cpus: float
     gpus: list[float] = field(default_factory=list)  # free share of each GPU
+    custom: dict[str, float] = field(default_factory=dict)  # the node's custom resources
 
     @classmethod
-    def of(cls, name: str, cpus: float, gpus: float) -> NodeCapacity:
-        return cls(name, cpus, [1.0] * int(gpus + _EPS))
+    def of(
+        cls, name: str, cpus: float, gpus: float, custom: Mapping[str, float] | None = None
+    ) -> NodeCapacity:
+        return cls(name, cpus, [1.0] * int(gpus + _EPS), dict(custom or {}))
 
     def take(self, request: ActorRequest) -> bool:
         """Reserve `request` here if it fits (first GPU with room for a fraction)."""
         if request.cpus > self.cpus + _EPS:
             return False
+        if any(amount > self.custom.get(k, 0.0) + _EPS for k, amount in request.custom.items()):
+            return False
         gpus = request.gpus
-        if 0 < gpus <= 1:
+        if 0 < gpus <= 1 + _EPS:  # a sum of shares can round to just above 1
             fits = [i for i, free in enumerate(self.gpus) if free + _EPS >= gpus]
             if not fits:
                 return False
@@ -75,6 +81,8 @@ class NodeCapacity:
             for i in whole[: int(gpus)]:
                 self.gpus[i] = 0.0
         self.cpus -= request.cpus
+        for key, amount in request.custom.items():
+            self.custom[key] -= amount
         return True
 
 
@@ -85,22 +93,34 @@ def run_requests(cfg: Any) -> list[ActorRequest]:
     """Every actor the run starts, with the resources placement.py asks Ray for."""
     learner, rollout = cfg.learner, cfg.rollout
     ranks = [
-        ActorRequest(f"learner rank {r}", 1.0, learner.gpus_per_rank)
+        ActorRequest(
+            f"learner rank {r}", 1.0, learner.gpus_per_rank, custom=dict(learner.resources)
+        )
         for r in range(learner.num_ranks)
     ]
+    n = rollout.num_workers
     workers = [
-        ActorRequest(f"rollout worker {i}", rollout.cpus_per_worker, rollout.gpus_per_worker)
-        for i in range(rollout.num_workers)
+        ActorRequest(
+            f"rollout worker {i}",
+            rollout.cpus_per_worker,
+            rollout.gpus_per_worker,
+            custom=dict(rollout.resources),
+        )
+        for i in range(n)
     ]
     if cfg.sync.method == "ipc" and workers:
         # one placement-group bundle holds rank 0 and every worker (placement.LearnerGroup),
         # so they need one node, and one GPU for GPU roles: they are placed as one
-        n = len(workers)
+        custom = dict(learner.resources)
+        for key, amount in rollout.resources.items():
+            custom[key] = custom.get(key, 0.0) + n * amount
+        with_workers = "rollout worker 0" if n == 1 else f"rollout workers 0-{n - 1}"
         ranks[0] = ActorRequest(
-            f"learner rank 0 with rollout workers 0-{n - 1}",
-            ranks[0].cpus + sum(w.cpus for w in workers),
-            ranks[0].gpus + sum(w.gpus for w in workers),
+            f"learner rank 0 with {with_workers}",
+            1.0 + n * rollout.cpus_per_worker,
+            learner.gpus_per_rank + n * rollout.gpus_per_worker,  # as check_sync_method sums
             kind=IPC_BUNDLE,
+            custom=custom,
         )
         workers = []
     return ranks + workers
@@ -127,7 +147,7 @@ def check_custom_resources(cfg: Any, available: dict[str, float]) -> None:
 def fit(requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity]) -> None:
     """Place `requests` (largest GPU share first) on `nodes`; raise PlacementError naming the
     first actor that does not fit, what the run asks and what the cluster has."""
-    free = [NodeCapacity(n.name, n.cpus, list(n.gpus)) for n in nodes]
+    free = [NodeCapacity(n.name, n.cpus, list(n.gpus), dict(n.custom)) for n in nodes]
     order = sorted(requests, key=lambda r: (-r.gpus, -r.cpus))
     for request in order:
         if not any(node.take(request) for node in free):
@@ -145,14 +165,22 @@ def _refusal(
     wants = "; ".join(
         f"{n} x {role} ({cpus:g} CPU, {gpus:g} GPU each)" for role, (n, cpus, gpus) in asked.items()
     )
+    custom = "".join(f", {amount:g} {key!r}" for key, amount in failed.custom.items())
     total_cpu = sum(r.cpus for r in requests)
     total_gpu = sum(r.gpus for r in requests)
-    has = "; ".join(f"{n.name}: {n.cpus:g} CPU, {len(n.gpus)} GPU" for n in nodes) or "no nodes"
+    keys = sorted({key for r in requests for key in r.custom})
+    has = "; ".join(
+        f"{n.name}: {n.cpus:g} CPU, {len(n.gpus)} GPU"
+        + "".join(f", {n.custom.get(k, 0.0):g} {k!r}" for k in keys)
+        for n in nodes
+    )
+    has = has or "no nodes"
     if failed.kind == IPC_BUNDLE:
         hint = (
             "sync.method: ipc keeps learner rank 0 and every rollout worker in one placement "
             "group bundle, so they need one node"
             + (" and one GPU (their shares must add up to at most 1)" if failed.gpus else "")
+            + (", with learner.resources and rollout.resources together" if failed.custom else "")
             + ": lower rollout.num_workers, rollout.cpus_per_worker"
             + (" or the GPU shares" if failed.gpus else "")
             + ", or use sync.method: ray"
@@ -163,11 +191,13 @@ def _refusal(
             "0.5 with two workers at rollout.gpus_per_worker=0.25), or add GPUs"
         )
     else:
-        hint = "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes"
+        hint = "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes" + (
+            " (with the custom resources asked)" if failed.custom else ""
+        )
     return (
         f"the cluster cannot hold this run: {failed.role} ({failed.cpus:g} CPU, "
-        f"{failed.gpus:g} GPU) fits on no node. The run asks for {wants} = {total_cpu:g} CPU, "
-        f"{total_gpu:g} GPU; the cluster has {has}. {hint}."
+        f"{failed.gpus:g} GPU{custom}) fits on no node. The run asks for {wants} = "
+        f"{total_cpu:g} CPU, {total_gpu:g} GPU; the cluster has {has}. {hint}."
     )
 
 
@@ -181,7 +211,7 @@ def cluster_nodes() -> list[NodeCapacity]:
             continue
         res = node.get("Resources", {})
         name = node.get("NodeManagerAddress", node.get("NodeID", "?"))
-        nodes.append(NodeCapacity.of(str(name), res.get("CPU", 0.0), res.get("GPU", 0.0)))
+        nodes.append(NodeCapacity.of(str(name), res.get("CPU", 0.0), res.get("GPU", 0.0), res))
     return nodes
 
 

@@ -27,13 +27,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "RunDir", "read_metrics", "write_json"]
+__all__ = ["MetricsWriter", "RunDir", "read_metrics", "write_json", "write_text"]
 
 
 def write_json(path: Path, data: Any) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
+    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_jsonable) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write atomically (a temporary file renamed over `path`)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

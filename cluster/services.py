@@ -52,8 +52,10 @@ class Services:
         cfg, run_id = self.cfg, self.rundir.path.name
         self.started_ray = not ray.is_initialized() and not self.address
         start_ray(self.address, cfg)
-        fit(run_requests(cfg), cluster_nodes())  # refuse now rather than wait forever
+        # refuse now rather than wait forever: custom resources the cluster lacks in total
+        # first (the clearer message), then each actor (and ipc's bundle) on some node
         check_custom_resources(cfg, ray.cluster_resources())
+        fit(run_requests(cfg), cluster_nodes())
         url = cfg.buffer.redis_url or redis_url_from_env()
         if url is None:
             # On a cluster the workers and the learner may run on other nodes: the embedded

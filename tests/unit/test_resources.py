@@ -198,3 +198,45 @@ def test_the_ipc_bundle_adds_every_workers_resources_to_rank_0s():
     bundle = _with_workers({"CPU": 1.0, "GPU": 0.5}, run.rollout)
     # CPU 1 + 3 x 2 = 7; GPU 0.5 + 3 x 0.1 = 0.8; accel 3 x 1 = 3
     assert bundle == {"CPU": 7.0, "GPU": pytest.approx(0.8), "accel": 3.0}
+
+
+def test_custom_resources_are_placed_node_by_node_and_ipc_needs_them_on_one():
+    # the README's recipe: learner ranks on a node labelled "learner", workers on "rollout"
+    labels = ['learner.resources={"learner": 1}', 'rollout.resources={"rollout": 1}']
+    nodes = [
+        NodeCapacity.of("10.0.0.1", 8, 0, {"learner": 1}),
+        NodeCapacity.of("10.0.0.2", 8, 0, {"rollout": 2}),
+    ]
+    fit(run_requests(cfg(*labels, "rollout.num_workers=2")), nodes)  # each on its own node
+    # a third worker finds no 'rollout' left (2 on the only node that has it)
+    with pytest.raises(PlacementError, match=r"rollout worker 2 \(1 CPU, 0 GPU, 1 'rollout'\)"):
+        fit(run_requests(cfg(*labels, "rollout.num_workers=3")), nodes)
+    # ipc puts rank 0 and both workers in one bundle: 1 'learner' + 2 x 1 'rollout' on one
+    # node, which neither has (Ray would wait for it forever)
+    run = cfg(*labels, "rollout.num_workers=2", "sync.method=ipc")
+    with pytest.raises(PlacementError) as err:
+        fit(run_requests(run), nodes)
+    message = str(err.value)
+    assert "rollout workers 0-1 (3 CPU, 0 GPU, 1 'learner', 2 'rollout') fits on no node" in (
+        message
+    )
+    assert "10.0.0.1: 8 CPU, 0 GPU, 1 'learner', 0 'rollout'" in message
+    assert "with learner.resources and rollout.resources together" in message
+    both = [NodeCapacity.of("10.0.0.3", 8, 0, {"learner": 1, "rollout": 2})]
+    fit(run_requests(run), both)
+
+
+def test_ipc_shares_that_add_up_to_one_gpu_fit_despite_rounding():
+    # 0.2 + 16 x 0.05 is 1 GPU; summed one share at a time it came to 1.0000000000000002,
+    # which fit() took for a request of two whole GPUs and refused
+    run = cfg(
+        "sync.method=ipc", "learner.gpus_per_rank=0.2",
+        "rollout.num_workers=16", "rollout.gpus_per_worker=0.05", "rollout.cpus_per_worker=0.5",
+    )  # fmt: skip
+    check_sync_method(run)
+    [bundle] = run_requests(run)
+    assert bundle.role == "learner rank 0 with rollout workers 0-15"
+    fit([bundle], [NodeCapacity.of("gpu-node", 16, 1)])
+    one = cfg("sync.method=ipc", "learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5",
+              "rollout.num_workers=1")  # fmt: skip
+    assert run_requests(one)[0].role == "learner rank 0 with rollout worker 0"

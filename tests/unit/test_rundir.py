@@ -106,3 +106,17 @@ def test_scale_refuses_to_grow_an_ipc_run_past_the_workers_it_reserved(tmp_path,
     assert main(["scale", str(run.path), "--workers", "1", "--timeout", "0"]) == 2
     assert "did not confirm 1 workers" in capsys.readouterr().err
     assert run.take_worker_request() == 1
+
+
+def test_scale_refuses_zero_workers_and_an_unreadable_config_without_a_traceback(tmp_path, capsys):
+    run = RunDir.create(str(tmp_path), "r")
+    run.status.write_text(json.dumps({"state": "running", "workers": 2}))
+    run.config.write_text("{}")  # e.g. a config from before sync.method existed
+    assert main(["scale", str(run.path), "--workers", "0"]) == 2
+    assert "--workers must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["scale", str(run.path), "--workers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read the run's config" in err
+    assert "KeyError('sync')" in err
+    assert "Traceback" not in err
+    assert not (run.control / "scale.json").exists()
