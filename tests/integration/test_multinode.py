@@ -73,20 +73,26 @@ def test_two_node_run_spreads_the_learner_and_reconciles(tmp_path, two_nodes):
     assert (RunDir(tmp_path / "runs/multi").latest_checkpoint() / "trainer.json").is_file()
 
 
+def _ipc_run(tmp_path, address: str, workers: int) -> tuple[int, str, dict]:
+    """A 2-step tiny run with sync.method ipc on the cluster at `address`: (exit code, its
+    output, its summary.json)."""
+    (tmp_path / "c.yaml").write_text(TINY)
+    proc = staleflow(
+        "train", "c.yaml", "run.name=ipc", "run.steps=2", f"rollout.num_workers={workers}",
+        "sync.method=ipc", "sync.offset=0", "--address", address, cwd=tmp_path,
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out, json.loads((tmp_path / "runs/ipc/summary.json").read_text())
+
+
 def test_ipc_that_cannot_share_one_node_is_refused_before_anything_starts(tmp_path, two_nodes):
     # 2 CPUs a node: learner rank 0 and two workers (1 CPU each) share one placement-group
     # bundle of 3 CPUs under ipc, which no node holds (a worker elsewhere could not open the
     # learner's shared memory)
-    (tmp_path / "c.yaml").write_text(TINY)
-    proc = staleflow(
-        "train", "c.yaml", "run.name=ipc", "run.steps=2", "rollout.num_workers=2",
-        "sync.method=ipc", "sync.offset=0", "--address", two_nodes.address, cwd=tmp_path,
-    )  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode != 0, out[-3000:]
+    returncode, out, summary = _ipc_run(tmp_path, two_nodes.address, workers=2)
+    assert returncode != 0, out[-3000:]
     assert "learner rank 0 with rollout workers 0-1 (3 CPU, 0 GPU) fits on no node" in out, out
     assert "sync.method: ipc keeps learner rank 0 and every rollout worker" in out
-    summary = json.loads((tmp_path / "runs/ipc/summary.json").read_text())
     assert summary["status"] == "failed"
     assert summary["steps"] == 0
 
@@ -107,16 +113,10 @@ def test_ipc_keeps_the_workers_on_learner_rank_0s_node(tmp_path):
     try:
         cluster.add_node(num_cpus=3)
         cluster.wait_for_nodes()
-        (tmp_path / "c.yaml").write_text(TINY)
-        proc = staleflow(
-            "train", "c.yaml", "run.name=ipc", "run.steps=2", "rollout.num_workers=1",
-            "sync.method=ipc", "sync.offset=0", "--address", cluster.address, cwd=tmp_path,
-        )  # fmt: skip
-        out, _ = proc.communicate(timeout=600)
+        returncode, out, summary = _ipc_run(tmp_path, cluster.address, workers=1)
     finally:
         cluster.shutdown()
-    assert proc.returncode == 0, out[-3000:]
-    summary = json.loads((tmp_path / "runs/ipc/summary.json").read_text())
+    assert returncode == 0, out[-3000:]
     assert summary["status"] == "completed"
     assert_reconciled(summary)
     where = summary["placement"]
