@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from staleflow.cluster.evaluations import Evaluations
+from staleflow.cluster.failures import LearnerFailed
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
 from staleflow.cluster.resources import ipc_scale_limit
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
@@ -44,11 +45,6 @@ logger = logging.getLogger(__name__)
 # Seconds one learner call waits for its batch before it returns short and is made again.
 # A lock-step call made after its batch was complete that comes back short is an error.
 LEARNER_WAIT_S, COMPLETE_BATCH_WAIT_S = 2.0, 30.0
-
-
-class LearnerFailed(RuntimeError):
-    """A learner rank died or raised: the ranks share one process group, so the run stops
-    (its last checkpoint and the groups held since are what `train --resume` continues from)."""
 
 
 @dataclass
@@ -350,6 +346,7 @@ class Driver(CheckpointMixin):
         except KeyboardInterrupt:
             status = "interrupted"
         except LearnerFailed as exc:
+            self.learner_failed = self.learner_failed or str(exc)  # no final checkpoint
             logger.error("%s; the run stops (the ranks share one process group). Its last "
                          "checkpoint and the groups trained since are kept: resume with "
                          "`staleflow train --resume %s`", exc, self.rundir.path)  # fmt: skip

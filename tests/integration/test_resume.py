@@ -133,6 +133,40 @@ def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
     ]
 
 
+def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
+    tmp_path, ray_local, monkeypatch, caplog
+):
+    # The chaos test once killed learner rank 0 while a periodic checkpoint was being
+    # written: the actor's death escaped the driver as a raw ActorDiedError (a traceback, no
+    # "resume:" line) and the stop tried to checkpoint the dead rank again. Injected here:
+    # rank 0 is killed (for real) as the checkpoint at step 4 starts.
+    import ray
+
+    from staleflow.cluster.placement import LearnerGroup
+
+    base = ["run.name=k", "run.checkpoint_every=2", "run.steps=6", "sync.offset=1"]
+    original = LearnerGroup.save
+
+    def rank_0_dies_at_step_4(self, path, extra):
+        if extra["step"] == 4:
+            ray.kill(self.ranks[0])
+        original(self, path, extra)
+
+    monkeypatch.setattr(LearnerGroup, "save", rank_0_dies_at_step_4)
+    _cfg, run, summary, _ = run_driver(tmp_path, *base)  # returns: the run stopped cleanly
+    monkeypatch.undo()
+    assert summary["status"] == "failed"
+    assert summary["steps"] == 4
+    assert summary["resume"] == f"staleflow train --resume {run.path}"
+    assert run.latest_checkpoint().name == "step-000002"
+    assert "a learner rank failed during a checkpoint: The actor died" in caplog.text
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base])
+    resumed = Driver(cfg, run, resume=True).run()
+    assert resumed["status"] == "completed"
+    assert_reconciled(resumed)
+
+
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
     # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
     base = [
