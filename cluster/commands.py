@@ -214,7 +214,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from staleflow.cluster.resources import ipc_scale_limit
+    from staleflow.cluster.resources import ipc_scale_refusal
     from staleflow.cluster.rundir import RunDir
 
     try:
@@ -231,9 +231,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
         method, reserved = resolved["sync"]["method"], resolved["rollout"]["num_workers"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return _fail(f"cannot read the run's config {run.config}: {exc!r}")
-    if method == "ipc" and args.workers > reserved:
-        return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: "
-                     + ipc_scale_limit(reserved))  # fmt: skip
+    refusal = ipc_scale_refusal(method, reserved, args.workers)
+    if refusal:
+        return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
     run.request_workers(args.workers)
     deadline = time.time() + args.timeout
     while time.time() < deadline:

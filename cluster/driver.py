@@ -30,7 +30,7 @@ from typing import Any
 from staleflow.cluster.evaluations import Evaluations
 from staleflow.cluster.failures import LearnerFailed
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
-from staleflow.cluster.resources import ipc_scale_limit
+from staleflow.cluster.resources import ipc_scale_refusal
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
 from staleflow.cluster.rollouts import Rollouts
 from staleflow.cluster.rundir import MetricsWriter, write_json, write_text
@@ -406,9 +406,10 @@ class Driver(CheckpointMixin):
         n = self.rundir.take_worker_request()
         if n is None:
             return
-        reserved = self.cfg.rollout.num_workers
-        if self.cfg.sync.method == "ipc" and n > reserved:  # `staleflow scale` refuses it too
-            logger.error("not scaling to %d rollout workers: %s", n, ipc_scale_limit(reserved))
+        cfg = self.cfg  # `staleflow scale` refuses the same
+        refusal = ipc_scale_refusal(cfg.sync.method, cfg.rollout.num_workers, n)
+        if refusal:
+            logger.error("not scaling to %d rollout workers: %s", n, refusal)
             return
         if self.sync.broadcasts and self.cfg.sync.mode == "lockstep":
             # a new engine can only get the weights of a broadcast: wait for the next publish

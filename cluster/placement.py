@@ -28,6 +28,7 @@ from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.cluster.failures import LearnerFailed
 from staleflow.cluster.learner_rank import LearnerRank
+from staleflow.cluster.resources import ipc_bundle
 from staleflow.learner.device import hidden_gpus_env
 from staleflow.learner.sync_group import free_port, node_address
 
@@ -270,7 +271,7 @@ class LearnerGroup:
         bundle.update(learner.resources)  # custom resources pin the ranks to labelled nodes
         bundles = [dict(bundle) for _ in range(learner.num_ranks)]
         if self.cfg.sync.method == "ipc":  # the workers open rank 0's memory: its bundle
-            bundles[0] = _with_workers(bundles[0], self.cfg.rollout)
+            bundles[0] = ipc_bundle(bundles[0], self.cfg.rollout)
         self.group = placement_group(
             bundles,
             strategy="PACK" if learner.placement == "pack" else "SPREAD",
@@ -375,20 +376,6 @@ def _on_ranks(refs: list[Any], during: str) -> list[Any]:
         return list(ray.get(refs))
     except ray.exceptions.RayError as exc:
         raise LearnerFailed(f"a learner rank failed during {during}: {exc}") from exc
-
-
-def _with_workers(bundle: dict[str, float], rollout: Any) -> dict[str, float]:
-    """`bundle` grown by rollout.num_workers workers' resources: Ray keeps a bundle on one
-    node, and a GPU share of at most 1 on one GPU, so every worker placed in it shares
-    learner rank 0's node and GPU (sync.method ipc; resources.run_requests checks it fits)."""
-    out = dict(bundle)
-    n = rollout.num_workers
-    worker = {"CPU": rollout.cpus_per_worker, "GPU": rollout.gpus_per_worker,
-              **rollout.resources}  # fmt: skip
-    for key, amount in worker.items():
-        if amount:
-            out[key] = out.get(key, 0.0) + n * amount
-    return out
 
 
 @ray.remote(num_cpus=0)

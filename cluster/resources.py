@@ -26,7 +26,8 @@ __all__ = [
     "check_sync_method",
     "cluster_nodes",
     "fit",
-    "ipc_scale_limit",
+    "ipc_bundle",
+    "ipc_scale_refusal",
     "run_requests",
 ]
 
@@ -89,6 +90,21 @@ class NodeCapacity:
 IPC_BUNDLE = "learner rank 0 with its rollout workers (sync.method: ipc)"
 
 
+def ipc_bundle(rank0: Mapping[str, float], rollout: Any) -> dict[str, float]:
+    """Learner rank 0's placement-group bundle under sync.method ipc: its own resources
+    (`rank0`: CPU, GPU, custom) plus rollout.num_workers workers'. Ray keeps a bundle on one
+    node, and a GPU share of at most 1 on one GPU, so every worker placed in it shares rank
+    0's node and GPU. The GPU share adds up as `check_sync_method` checks it."""
+    out = dict(rank0)
+    n = rollout.num_workers
+    worker = {"CPU": rollout.cpus_per_worker, "GPU": rollout.gpus_per_worker,
+              **rollout.resources}  # fmt: skip
+    for key, amount in worker.items():
+        if amount:
+            out[key] = out.get(key, 0.0) + n * amount
+    return out
+
+
 def run_requests(cfg: Any) -> list[ActorRequest]:
     """Every actor the run starts, with the resources placement.py asks Ray for."""
     learner, rollout = cfg.learner, cfg.rollout
@@ -111,16 +127,15 @@ def run_requests(cfg: Any) -> list[ActorRequest]:
     if cfg.sync.method == "ipc" and workers:
         # one placement-group bundle holds rank 0 and every worker (placement.LearnerGroup),
         # so they need one node, and one GPU for GPU roles: they are placed as one
-        custom = dict(learner.resources)
-        for key, amount in rollout.resources.items():
-            custom[key] = custom.get(key, 0.0) + n * amount
+        rank0 = ranks[0]
+        bundle = ipc_bundle({"CPU": rank0.cpus, "GPU": rank0.gpus, **rank0.custom}, rollout)
         with_workers = "rollout worker 0" if n == 1 else f"rollout workers 0-{n - 1}"
         ranks[0] = ActorRequest(
             f"learner rank 0 with {with_workers}",
-            1.0 + n * rollout.cpus_per_worker,
-            learner.gpus_per_rank + n * rollout.gpus_per_worker,  # as check_sync_method sums
+            bundle.pop("CPU"),
+            bundle.pop("GPU"),
             kind=IPC_BUNDLE,
-            custom=custom,
+            custom=bundle,
         )
         workers = []
     return ranks + workers
@@ -277,8 +292,11 @@ def check_ipc_shares(learner_gpus: float, worker_gpus: float) -> None:
         )
 
 
-def ipc_scale_limit(reserved: int) -> str:
-    """Why a run with sync.method ipc cannot grow past its rollout.num_workers."""
+def ipc_scale_refusal(method: str, reserved: int, n: int) -> str | None:
+    """Why a run cannot scale to `n` rollout workers (None if it can): under sync.method ipc
+    the workers live in learner rank 0's bundle, sized for `reserved` (rollout.num_workers)."""
+    if method != "ipc" or n <= reserved:
+        return None
     return (
         f"sync.method: ipc reserves room for rollout.num_workers ({reserved}) rollout workers "
         "in learner rank 0's placement group bundle at the start, and a worker anywhere else "

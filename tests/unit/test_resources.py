@@ -13,6 +13,7 @@ from staleflow.cluster.resources import (
     check_colocated,
     check_sync_method,
     fit,
+    ipc_bundle,
     run_requests,
 )
 from staleflow.configs import load_config, parse_config
@@ -189,13 +190,11 @@ def test_ipc_gpu_shares_must_add_up_to_one_gpu():
 
 
 def test_the_ipc_bundle_adds_every_workers_resources_to_rank_0s():
-    from staleflow.cluster.placement import _with_workers
-
     run = cfg(
         "sync.method=ipc", "learner.gpus_per_rank=0.5", "rollout.num_workers=3",
         "rollout.cpus_per_worker=2", "rollout.gpus_per_worker=0.1", "rollout.resources={accel: 1}",
     )  # fmt: skip
-    bundle = _with_workers({"CPU": 1.0, "GPU": 0.5}, run.rollout)
+    bundle = ipc_bundle({"CPU": 1.0, "GPU": 0.5}, run.rollout)
     # CPU 1 + 3 x 2 = 7; GPU 0.5 + 3 x 0.1 = 0.8; accel 3 x 1 = 3
     assert bundle == {"CPU": 7.0, "GPU": pytest.approx(0.8), "accel": 3.0}
 
