@@ -90,3 +90,17 @@ def test_a_redis_url_only_this_machine_reaches_is_recognised():
     assert _machine_local("unix:///run/redis.sock") == "a unix socket (/run/redis.sock)"
     assert _machine_local("redis://:pw@10.0.0.1:6379") is None  # other nodes may reach it
     assert _machine_local("redis://name.invalid:6379") is None  # each node resolves it
+
+
+def test_free_port_avoids_the_ephemeral_range_outgoing_connections_draw_from():
+    # a port handed out now and bound a moment later must not be one the kernel may give to
+    # an outgoing connection in between (EADDRINUSE at the learners' rendezvous, twice)
+    import socket
+
+    from staleflow.learner.sync_group import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    ports = [free_port("127.0.0.1") for _ in range(20)]
+    assert all(20000 <= p < low for p in ports), (low, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # and it is free
