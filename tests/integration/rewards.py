@@ -8,10 +8,13 @@ import time
 
 
 def one_slow_worker(meta: dict, text: str) -> float:
-    """The first worker process to score anything claims `meta['marker']` and then takes
-    `meta['sleep_s']` per response for the rest of the run; the others score at once. A real
-    slow worker, so batches dispatched after its batch finish before it."""
+    """The first worker process to score a prompt with `meta['claim']` set claims
+    `meta['marker']` and then takes `meta['sleep_s']` per response for the rest of the run;
+    the others score at once. A real slow worker, so batches dispatched after its batch
+    finish before it."""
     marker = meta["marker"]
+    if not os.path.exists(marker) and not meta.get("claim"):
+        return float(len(text))
     try:  # atomic: exactly one process wins
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         os.write(fd, str(os.getpid()).encode())

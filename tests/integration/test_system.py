@@ -7,6 +7,7 @@ and stops its own Ray and Redis.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from staleflow.actors.tasks import make_task
 from staleflow.cluster.rundir import read_metrics
 from staleflow.cluster.schedule import ScheduleError, check_schedule, lag, rollout_version
 from staleflow.configs import parse_config
@@ -182,19 +184,15 @@ def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
 
 
 def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path, ray_local):
-    # Three free-running workers, one of them slow (its reward takes 0.5 s a response, 2 s a
-    # batch; the others take ~0.1 s): batches dispatched after the slow one's finish before
-    # it, whichever batch it holds. (At 0.25 s one make test in seven saw every batch finish
-    # in order; 0.5 s gave 2-4 inversions in three runs against 2-3 before.) Admission
+    # Three free-running workers, one of them slow: the worker that holds batch 1 claims the
+    # marker when it scores batch 1's first response and then takes 0.5 s a response (2 s a
+    # batch; the others take ~0.1 s). Batches 1-3 start together (the staleness rule admits
+    # three: lag 0, 1, 2), so 2 and 3 finish before 1. (The slow worker used to be whichever
+    # scored first, so any of the three first batches; whether a later batch overtook it
+    # was then up to timing, and one CI run saw every batch finish in order.) Admission
     # counts every running batch in its worst case, so no group is generated that the
     # staleness rule would then drop.
-    rows = [
-        {"prompt": f"Say something #{i}", "marker": str(tmp_path / "slow"), "sleep_s": 0.5}
-        for i in range(40)
-    ]
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    _cfg, _run, summary, records = run_driver(
-        tmp_path,
+    overrides = (
         "task.name=custom",
         f"task.path={tmp_path / 'p.jsonl'}",
         "task.reward_fn=tests.integration.rewards:one_slow_worker",
@@ -203,6 +201,17 @@ def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path,
         "rollout.num_workers=3",
         "run.steps=12",
     )
+    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # batch 1's prompts: the driver's first draw from the (seeded, shuffled) task
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *overrides])
+    first = {p.text for p in itertools.islice(make_task(cfg.task).train_prompts(), 2)}
+    assert len(first) == cfg.rollout.prompts_per_batch == 2
+    for r in rows:
+        r.update(marker=str(tmp_path / "slow"), sleep_s=0.5, claim=r["prompt"] in first)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _cfg, _run, summary, records = run_driver(tmp_path, *overrides)
     assert summary["status"] == "completed"
     assert (tmp_path / "slow").exists()  # the slow worker was there
     finished = [r["batch"] for r in records if r["kind"] == "rollout"]
