@@ -110,9 +110,10 @@ def main() -> int:
 
     from staleflow.actors.hf_engine import HFEngine, load_named_arrays
     from staleflow.actors.models import load_model, prepare_model
+    from staleflow.buffer.ports import free_port
     from staleflow.configs.schema import ModelConfig
     from staleflow.learner.publish import broadcast_receive
-    from staleflow.learner.sync_group import SyncGroup, free_port
+    from staleflow.learner.sync_group import SyncGroup
 
     prepare_model(ModelConfig(preset=args.model))
     from staleflow.cluster.placement import start_ray

@@ -22,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,8 @@ from types import TracebackType
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from staleflow.buffer.ports import free_port
 
 __all__ = ["RedisServer", "RedisServerError", "find_redis_server", "read_server_url", "redis_dir"]
 
@@ -117,7 +118,7 @@ class RedisServer:
         attempts = 1 if fixed_port is not None else 3  # a free port can be taken meanwhile
         for attempt in range(attempts):
             try:
-                self._launch(fixed_port if fixed_port is not None else _free_port())
+                self._launch(fixed_port if fixed_port is not None else free_port(self.host))
                 break
             except RedisServerError:
                 if attempt == attempts - 1:
@@ -234,12 +235,6 @@ class RedisServer:
             return " | ".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return "(no log)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from staleflow.buffer.entries import Receipt
+from staleflow.buffer.ports import free_port
 from staleflow.buffer.records import Group
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.cluster.schedule import groups_per_step
@@ -31,7 +32,7 @@ from staleflow.learner.publish import (
     host_arrays,
     tensor_layouts,
 )
-from staleflow.learner.sync_group import SyncGroup, free_port, node_address, ray_place
+from staleflow.learner.sync_group import SyncGroup, node_address, ray_place
 
 __all__ = ["LearnerRank", "StepReport"]
 

@@ -26,11 +26,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
+from staleflow.buffer.ports import free_port
 from staleflow.cluster.failures import LearnerFailed
 from staleflow.cluster.learner_rank import LearnerRank
 from staleflow.cluster.resources import ipc_bundle
 from staleflow.learner.device import hidden_gpus_env
-from staleflow.learner.sync_group import free_port, node_address
+from staleflow.learner.sync_group import node_address
 
 __all__ = [
     "ActorStartError",

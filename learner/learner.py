@@ -31,11 +31,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from staleflow.buffer.ports import free_port
 from staleflow.buffer.records import Group
 from staleflow.learner.batch import TrainBatch, build_batch
 from staleflow.learner.device import role_device
 from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
-from staleflow.learner.sync_group import free_port, gloo_on_node_interface
+from staleflow.learner.sync_group import gloo_on_node_interface
 
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
 

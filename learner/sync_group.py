@@ -19,7 +19,6 @@ import datetime
 import ipaddress
 import logging
 import os
-import random
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,6 @@ import torch
 
 __all__ = [
     "SyncGroup",
-    "free_port",
     "gloo_on_node_interface",
     "interface_of",
     "node_address",
@@ -133,37 +131,6 @@ def ray_place() -> tuple[str, list[str]]:
     context = ray.get_runtime_context()
     gpus = context.get_accelerator_ids().get("GPU", [])
     return str(context.get_node_id()), sorted(str(g) for g in gpus)
-
-
-def free_port(host: str = "") -> int:
-    """A port free on this machine now, for a listener that binds it a moment later (the
-    learners' rendezvous, a sync group). Taken below the kernel's ephemeral range when it can
-    be: a port from that range can go, in that moment, to any outgoing connection (the
-    kernel picks their local ports there), and two full `make test` runs saw rank 0's
-    rendezvous fail with EADDRINUSE that way. Above Ray's default worker ports (10002-19999);
-    the kernel's choice only if no port there is free."""
-    low = _ephemeral_low()
-    candidates = list(range(20000, low))
-    random.shuffle(candidates)
-    for port in candidates[:200]:
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux default 32768)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
 
 
 def interface_of(address: str) -> str | None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
+from staleflow.buffer.ports import free_port
 from staleflow.configs import parse_config
 
 from .test_learner import new_learner, sampled_groups
@@ -64,9 +64,7 @@ def test_two_ranks_make_the_same_update_as_one(tmp_path):
     groups = sampled_groups(behaviour_seed=2)  # 16 sequences of different lengths
     single = new_learner(parse_config(CFG))
     expected = single.step(groups)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, port, groups, str(tmp_path))) for r in (0, 1)]
     for p in procs:
@@ -115,9 +113,7 @@ def _sharded_rank(rank: int, port: int, stage: int, data: list, out_dir: str) ->
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage):
     data = [sampled_groups(behaviour_seed=s, n=2) for s in (1, 2, 3, 4)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_sharded_rank, args=(r, port, stage, data, str(tmp_path)))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
@@ -12,6 +10,7 @@ import torch.multiprocessing as mp
 from staleflow.actors.hf_engine import HFEngine
 from staleflow.actors.models import tiny_model
 from staleflow.actors.worker import RolloutWorker
+from staleflow.buffer.ports import free_port
 from staleflow.configs import parse_config
 from staleflow.learner.publish import (
     CheckpointPublisher,
@@ -143,9 +142,7 @@ def run_broadcast(backend: str) -> None:
         "b": np.array([1, -2, 3], dtype=np.int16),
         "c": np.random.default_rng(0).standard_normal(50).astype(np.float32),
     }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [

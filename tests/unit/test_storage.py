@@ -97,7 +97,7 @@ def test_free_port_avoids_the_ephemeral_range_outgoing_connections_draw_from():
     # an outgoing connection in between (EADDRINUSE at the learners' rendezvous, twice)
     import socket
 
-    from staleflow.learner.sync_group import _ephemeral_low, free_port
+    from staleflow.buffer.ports import _ephemeral_low, free_port
 
     low = _ephemeral_low()
     ports = [free_port("127.0.0.1") for _ in range(20)]

@@ -169,8 +169,8 @@ def test_broadcast_update_reaches_the_engines_own_process(engine):
     # tensors itself; nothing but the layouts crosses vLLM's IPC
     import multiprocessing as mp
 
+    from staleflow.buffer.ports import free_port
     from staleflow.learner.publish import tensor_layouts
-    from staleflow.learner.sync_group import free_port
 
     other, tokenizer = tiny_model(seed=2)
     port = free_port("127.0.0.1")
