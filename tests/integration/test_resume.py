@@ -225,8 +225,9 @@ def _train(tmp_path, *args: str) -> tuple[int, str]:
 @pytest.mark.slow
 def test_a_hung_worker_is_killed_and_its_batch_redone(tmp_path, monkeypatch):
     task = _hang_once(tmp_path, monkeypatch)
-    # the timeout covers a replacement's start too (loading its model): keep it well above
-    code, out = _train(tmp_path, *task, "run.name=h", "run.steps=3", "rollout.batch_timeout_s=20")
+    # the timeout covers a replacement's start too (a Ray worker process, torch's import,
+    # the model: 5-15 s on a loaded 2-core machine), so keep it well above
+    code, out = _train(tmp_path, *task, "run.name=h", "run.steps=3", "rollout.batch_timeout_s=40")
     assert code == 0, out[-3000:]
     run = tmp_path / "runs/h"
     summary = json.loads((run / "summary.json").read_text())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 
@@ -151,7 +152,12 @@ def test_a_gpu_share_the_cluster_lacks_is_refused_before_any_actor_starts(tmp_pa
     assert "learner rank 0 (1 CPU, 0.5 GPU) fits on no node" in str(err.value)
     assert "= 3 CPU, 1.5 GPU; the cluster has" in str(err.value)
     assert ": 8 CPU, 0 GPU" in str(err.value)
-    # nothing was started: every CPU of the session's Ray is free again
+    # nothing was started: every CPU of the session's Ray is free again (polled: the test
+    # before this one ends with ray.kill and remove_placement_group, which return before
+    # Ray's resource view has caught up; a reservation that leaked would never come back)
+    deadline = time.monotonic() + 60
+    while ray.available_resources().get("CPU") != 8.0 and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert ray.available_resources().get("CPU") == 8.0
 
 

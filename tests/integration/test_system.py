@@ -432,7 +432,7 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path):
     assert len(children) > 3
     out = ctrl_c(proc)
     assert proc.returncode == 130, out[-3000:]
-    wait_for(lambda: not any(alive(p) for p in children), 30, "Redis and Ray to exit")
+    wait_for(lambda: not any(alive(p) for p in children), 120, "Redis and Ray to exit")
 
     summary = interrupted_summary(run, out)
     assert 3 <= summary["steps"] < 100000
