@@ -29,16 +29,32 @@ def config_keys_help() -> str:
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             continue
         lines.append(f"  {section}: {info.description}")
-        for key, field in model.model_fields.items():
-            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-                lines.append(f"    {section}.{key}.*  {field.description}")
-                continue
-            default = (
-                "" if field.is_required() else f" [{field.get_default(call_default_factory=True)}]"
-            )
-            lines.append(f"    {section}.{key}  {field.description}{default}")
+        lines += _section_keys(section, model)
     lines.append("  learner.loss.*: see `staleflow losses` for each preset's parameters")
     return "\n".join(lines)
+
+
+def _section_keys(prefix: str, model: Any) -> list[str]:
+    """`prefix.key  description [default]` for every key of `model`, nested sections
+    (learner.optimizer, rollout.vllm) by their own keys."""
+    from pydantic import BaseModel
+
+    lines = []
+    for key, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            lines.append(f"    {prefix}.{key}: {field.description}")
+            lines += _section_keys(f"{prefix}.{key}", field.annotation)
+            continue
+        lines.append(f"    {prefix}.{key}  {field.description}{_default_of(field)}")
+    return lines
+
+
+def _default_of(field: Any) -> str:
+    """` [default]`, a preset by its name (learner.loss), nothing for a required key."""
+    if field.is_required():
+        return ""
+    default = field.get_default(call_default_factory=True)
+    return f" [{getattr(default, 'name', default)}]"
 
 
 def _fail(message: str) -> int:

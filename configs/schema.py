@@ -69,7 +69,7 @@ class TaskConfig(Frozen):
         ("+", "-", "*"), min_length=1, description="Arithmetic: operators to draw from."
     )
     format_reward: float = Field(
-        0.0, ge=0.0, le=1.0, description="Extra reward for a well-formed final answer."
+        0.0, ge=0.0, le=1.0, description="Arithmetic: extra reward for a well-formed answer."
     )
     path: str | None = Field(
         None, description="gsm8k / custom: local JSONL file of problems (custom: prompts)."
@@ -256,7 +256,9 @@ class BufferConfig(Frozen):
     max_staleness: int | None = Field(
         None,
         ge=0,
-        description="Drop groups older than learner_version - max_staleness (null: no bound).",
+        description="Drop groups older than learner_version - max_staleness (null: no bound). "
+        "Async: also the admission bound (no batch starts that would be trained later than "
+        "this). Lock-step: must be at least the schedule's largest lag, or the run is refused.",
     )
     push_timeout_s: float = Field(
         300.0, gt=0.0, description="Seconds a producer waits on a full buffer before failing."
@@ -334,7 +336,12 @@ class LearnerConfig(Frozen):
     micro_batch_size: int | None = Field(
         None, ge=1, description="Sequences per forward/backward pass (null: the whole batch)."
     )
-    mini_batches: int = Field(1, ge=1, le=1024, description="Optimizer steps per batch.")
+    mini_batches: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Optimizer steps per epoch over a batch (mini_batches x epochs in all).",
+    )
     epochs: int = Field(1, ge=1, le=100, description="Passes over each batch.")
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks.")
@@ -392,7 +399,11 @@ class SyncConfig(Frozen):
         1, ge=1, le=1_000_000, description="I: publish weights every I learner steps."
     )
     offset: int = Field(
-        0, ge=0, le=1_000_000, description="O: rollout batches allowed before the first sync."
+        0,
+        ge=0,
+        le=1_000_000,
+        description="O: rollout batches allowed before the first sync (lock-step only; async "
+        "refuses a non-zero offset).",
     )
     method: Literal["ray", "nccl", "gloo", "ipc", "checkpoint"] = Field(
         "ray",
@@ -431,10 +442,25 @@ class RunSection(Frozen):
         description="Run id (null: generated); prefixes buffer keys and names the run directory.",
     )
     steps: int = Field(100, ge=1, le=10_000_000, description="Learner steps to train.")
-    seed: int = Field(0, ge=0, description="Global seed (learner, RED-Drop, prompt order).")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="The learner's seed (RED-Drop). Prompt order: task.seed; sampling: "
+        "rollout.seed.",
+    )
     output_dir: str = Field("runs", min_length=1, description="Parent of the run directory.")
-    log_every: int = Field(1, ge=1, description="Log metrics every N learner steps.")
-    eval_every: int = Field(10, ge=0, description="Evaluate every N learner steps (0: never).")
+    log_every: int = Field(
+        1,
+        ge=1,
+        description="Console: a step line every N learner steps when stderr is not a "
+        "terminal (metrics.jsonl, TensorBoard and driver.log get every step).",
+    )
+    eval_every: int = Field(
+        10,
+        ge=0,
+        description="Evaluate every N learner steps (0: only before and after "
+        "training; task.eval_prompts: 0 turns evaluation off).",
+    )
     checkpoint_every: int = Field(
         10,
         ge=0,

@@ -145,6 +145,13 @@ def test_train_help_lists_every_config_key_with_its_schema_description(capsys):
     out = capsys.readouterr().out
     for key, field in SyncConfig.model_fields.items():
         assert f"sync.{key}  {field.description}" in out
+    # nested sections by their own keys, with defaults; the loss preset by its name
+    assert "learner.optimizer.lr  Peak learning rate. [1e-06]" in out
+    assert "rollout.vllm.enforce_eager  Skip CUDA graph capture" in out
+    assert (
+        "learner.loss  Loss preset chosen by `name`, with its parameters and advantage "
+        "settings. [reinforce]" in out
+    )
     assert "--address" in out
     assert "--workers" in out
     assert "Ctrl-C" in out
