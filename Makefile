@@ -54,7 +54,7 @@ test: lint redis
 image:
 	bash docker/build.sh
 
-# The quickstart: SmolLM2-135M learns arithmetic on CPU (about 15 minutes on 2 cores).
+# The quickstart: SmolLM2-135M learns arithmetic on CPU (10-12 minutes on 2 cores).
 # Extra dotted overrides go in ARGS, e.g. `make demo ARGS="run.steps=10"`.
 demo: setup redis
 	$(VENV)/bin/staleflow train configs/quickstart.yaml $(ARGS)

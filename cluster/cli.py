@@ -3,12 +3,14 @@
     staleflow --version
     staleflow config CONFIG [section.key=value ...]   validate a run config, print it resolved
     staleflow losses [NAME]                            list loss presets and their defaults
-    staleflow buffer stats (--redis-url URL | --run-dir DIR) --run RUN [--json]
+    staleflow buffer stats (--redis-url URL --run RUN | --run-dir DIR [--run RUN]) [--json]
     staleflow train CONFIG [section.key=value ...] [--workers N] [--address ADDR]
     staleflow train --resume RUN_DIR [run.steps=N ...]
-    staleflow eval (RUN_DIR | MODEL_DIR) [--task NAME] [--prompts N] [--temperature T]
+    staleflow eval (RUN_DIR | MODEL_DIR) [--task NAME] [--prompts N] [--temperature T] [--json]
     staleflow report RUN_DIR
-    staleflow scale RUN_DIR --workers N
+    staleflow scale RUN_DIR --workers N [--timeout S]
+    staleflow sweep SWEEP.yaml [--parallel N] [--address ADDR] [--dry-run] [--report-only]
+    staleflow replay RUN_DIR [--steps N] [--rtol R] [--atol A]
 
 Heavy dependencies (Ray, DeepSpeed, transformers) are imported inside the subcommands that need
 them, so `--help` stays fast.
