@@ -31,7 +31,9 @@ __all__ = [
 ]
 
 Loc = tuple[str, ...]
-_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^@\s]*@")
+# up to the netloc's last '@', where redis-py (urlparse) ends the password: a password with
+# an '@' in it is masked whole
+_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^/?#\s]*@")
 
 
 class ConfigError(ValueError):
@@ -117,7 +119,7 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
-        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
+        raise ConfigError(redact(f"{where}: not valid YAML: {exc}")) from None  # quotes the line
     if data is None:
         data = {}
     if not isinstance(data, dict):

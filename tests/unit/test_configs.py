@@ -247,3 +247,28 @@ def test_the_paper_configs_off_policy_columns_each_pass_the_start_checks():
         check_schedule(cfg)
         check_sync_method(cfg)
         assert cfg.sync.mode == "lockstep", name
+
+
+def test_a_password_with_an_at_sign_is_masked_whole():
+    # redis-py ends the password at the netloc's last '@' (it parses with urlparse), so a
+    # mask that stopped at the first '@' printed 'ss:w0rd'
+    from staleflow.configs.loader import redact
+
+    url = "redis://:p@ss:w0rd@127.0.0.1:1/0"
+    assert redact(f"buffer at {url} is unreachable") == (
+        "buffer at redis://:***@127.0.0.1:1/0 is unreachable"
+    )
+    # two URLs on one line, each masked up to its own host
+    assert redact("redis://:a@h:1/0 and rediss://u:b@c@h2/0") == (
+        "redis://:***@h:1/0 and rediss://u:***@h2/0"
+    )
+    cfg = parse_config(MINIMAL, [f"buffer.redis_url={url}"])
+    assert "w0rd" not in redact(dump_config(cfg))  # as the run's config.json is written
+
+
+def test_a_yaml_error_on_a_line_with_a_password_does_not_print_it(tmp_path):
+    # PyYAML's message quotes the offending line
+    text = MINIMAL + 'buffer:\n  redis_url: "redis://:s3cr3t@127.0.0.1:1/0\n'
+    with pytest.raises(ConfigError, match="not valid YAML") as err:
+        load_config(write(tmp_path, text))
+    assert "s3cr3t" not in str(err.value)
