@@ -19,6 +19,7 @@ import json
 import math
 import random
 import re
+import traceback
 import unicodedata
 import zlib
 from collections.abc import Callable, Iterator
@@ -410,8 +411,6 @@ class CustomTask:
         try:
             reward = float(self.reward_fn(dict(prompt.metadata), response))
         except Exception:  # a reward error, not a failed parse: the worker counts and logs it
-            import traceback
-
             return Score(0.0, parsed=False, error=traceback.format_exc(limit=-3))
         if not math.isfinite(reward):
             return Score(0.0, parsed=False, error=f"the reward function returned {reward}")
@@ -422,11 +421,29 @@ def _import_reward(spec: str) -> Callable[[dict[str, Any], str], float]:
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
+    except ModuleNotFoundError as exc:
+        hint = ""
+        if exc.name == module_name.split(".")[0] and Path(f"{exc.name}.py").exists():
+            hint = f" ({exc.name}.py is in this directory: run with PYTHONPATH=.)"
+        raise TaskError(f"cannot import reward function {spec!r}: {exc}{hint}") from None
+    except AttributeError as exc:
         raise TaskError(f"cannot import reward function {spec!r}: {exc}") from None
+    except Exception as exc:  # the module itself raised (or does not parse) on import
+        raise TaskError(
+            f"importing reward function {spec!r} failed: {type(exc).__name__}: {exc} "
+            f"({_where(exc)})"
+        ) from None
     if not callable(fn):
         raise TaskError(f"reward function {spec!r} is not callable")
     return fn  # type: ignore[no-any-return]
+
+
+def _where(exc: BaseException) -> str:
+    """file:line where an import failed: a SyntaxError's own, else the innermost frame."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 # ----------------------------------------------------------------------------- factory

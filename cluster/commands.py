@@ -65,6 +65,7 @@ def _fail(message: str) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.progress import Progress
+    from staleflow.cluster.resources import check_sync_method
     from staleflow.cluster.resume import ResumeError
     from staleflow.cluster.rundir import RunDir
     from staleflow.cluster.schedule import check_schedule
@@ -87,6 +88,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_schedule(cfg)
+        check_sync_method(cfg)
         if (
             cfg.buffer.redis_url is None
             and redis_url_from_env() is None
@@ -109,7 +111,13 @@ def cmd_train(args: argparse.Namespace) -> int:
                 f"{run.path} already holds a run; choose another run.name=..., remove the "
                 f"directory, or continue it: staleflow train --resume {run.path}"
             )
-        run = RunDir.create(cfg.run.output_dir, name)
+        try:
+            run = RunDir.create(cfg.run.output_dir, name)
+        except OSError as exc:
+            return _fail(
+                f"cannot create the run directory {run.path}: {exc.strerror or exc}; set "
+                "run.output_dir=... to a directory you can write"
+            )
     handler = run.attach_log()
     logging.getLogger("staleflow").addHandler(_stderr_warnings())
     print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)

@@ -185,3 +185,25 @@ def test_eval_of_a_model_directory_with_a_task_and_overrides(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert (result["task"], result["prompts"]) == ("digits", 4)
     assert 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_config_refuses_what_train_would_refuse_before_starting():
+    # `staleflow config` used to print these as fine; `train` refused them at start
+    for overrides, message in [
+        (["sync.mode=async", "sync.offset=1"], "offset"),
+        (["sync.method=nccl"], "sync.method: nccl needs the learner and every worker on GPUs"),
+    ]:
+        out = staleflow("config", "configs/tiny.yaml", *overrides)
+        assert out.returncode == 2, out.stdout
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_an_output_dir_that_cannot_be_made_is_an_error_not_a_traceback(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = staleflow("train", "configs/tiny.yaml", f"run.output_dir={blocker}", "run.name=x")
+    assert out.returncode == 2
+    assert f"cannot create the run directory {blocker}/x" in out.stderr
+    assert "set run.output_dir=" in out.stderr
+    assert "Traceback" not in out.stderr

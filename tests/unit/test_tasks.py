@@ -229,3 +229,37 @@ def test_digits_reward_is_the_share_of_digit_characters():
     assert task.eval_prompts(4)[0].prompt_id not in {
         p.prompt_id for p in itertools.islice(task.train_prompts(), 200)
     }
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        ("raise RuntimeError('no API key in the environment')\n",
+         r"RuntimeError: no API key in the environment \(.*badrew_raise\.py:1\)"),
+        ("def fn(meta, text)\n    return 1.0\n", r"SyntaxError: .*\(.*badrew_syntax\.py:1\)"),
+    ],
+    ids=["raises", "syntax"],
+)  # fmt: skip
+def test_a_reward_module_that_fails_on_import_is_named_with_its_line(
+    tmp_path, monkeypatch, source, error
+):
+    # any import failure, not just ImportError: it used to escape as a traceback
+    name = "badrew_" + ("raise" if "raise" in source else "syntax")
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(TaskError, match=rf"importing reward function '{name}:fn' failed: {error}"):
+        CustomTask(str(path), f"{name}:fn")
+    sys.modules.pop(name, None)
+
+
+def test_a_reward_module_in_the_working_directory_but_not_on_the_path_says_so(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "myrew_here.py").write_text("def fn(meta, text):\n    return 1.0\n")
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        TaskError, match=r"myrew_here\.py is in this directory: run with PYTHONPATH=\."
+    ):
+        CustomTask(str(path), "myrew_here:fn")
