@@ -341,6 +341,13 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{len(sweep.cells)} cells -> {sweep.directory}")
         return 0
     if not args.report_only:
+        try:  # before any cell: a directory that cannot be made is one error line
+            sweep.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return _fail(
+                f"cannot create the sweep directory {sweep.directory}: {exc.strerror or exc}; "
+                "pass --out DIR (or set output_dir in the sweep file) to a directory you can write"
+            )
         # one line per cell here; each run's full log is in its logs/driver.log
         logging.getLogger().addHandler(_stderr_warnings())
         total, done = len(sweep.cells), [0]

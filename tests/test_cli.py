@@ -207,3 +207,12 @@ def test_an_output_dir_that_cannot_be_made_is_an_error_not_a_traceback(tmp_path)
     assert f"cannot create the run directory {blocker}/x" in out.stderr
     assert "set run.output_dir=" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_sweep_directory_that_cannot_be_made_is_an_error_not_a_traceback(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    out = staleflow("sweep", "configs/sweeps/tiny.yaml", "--out", str(blocker))
+    assert out.returncode == 2
+    assert f"cannot create the sweep directory {blocker}/" in out.stderr
+    assert "Traceback" not in out.stderr
