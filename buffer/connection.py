@@ -115,8 +115,25 @@ def translate_errors(method: Callable[P, R]) -> Callable[P, R]:
         try:
             return method(*args, **kwargs)
         except redis.AuthenticationError as exc:
+            if "required" in str(exc).lower():  # the URL has none
+                raise BufferConnectionError(
+                    f"Redis at {where} needs a password ({exc}); put it in the URL: "
+                    "redis://:PASSWORD@host:port/0"
+                ) from exc
             raise BufferConnectionError(
                 f"Redis at {where} refused the password ({exc}); check the password in the URL"
+            ) from exc
+        except redis.exceptions.InvalidResponse as exc:
+            raise BufferConnectionError(
+                f"the server at {where} does not answer in the Redis protocol ({exc}); check "
+                "the host and port in the URL"
+            ) from exc
+        except redis.ResponseError as exc:
+            if "DB index is out of range" not in str(exc):
+                raise
+            raise BufferConnectionError(
+                f"Redis at {where} has no such database ({exc}); use one it has, e.g. "
+                "redis://...:port/0"
             ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise BufferConnectionError(

@@ -820,6 +820,50 @@ def test_unreachable_redis_gives_a_clear_error_with_the_password_masked():
     assert time.monotonic() - start < 30  # retried with backoff, then gave up
 
 
+def test_a_url_without_the_password_the_server_needs_says_where_it_goes(redis_server):
+    url = redis_server.url.replace(f":{redis_server.password}@", "")
+    with pytest.raises(BufferConnectionError, match=r"needs a password .*redis://:PASSWORD@"):
+        ReplayBuffer(url, "run").stats()
+
+
+def test_a_database_the_server_lacks_is_named(redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"
+    with pytest.raises(BufferConnectionError, match=r"has no such database .*DB index") as err:
+        ReplayBuffer(url, "run").stats()
+    assert redis_server.password not in str(err.value)  # the URL is shown masked
+
+
+def test_a_server_that_is_not_redis_is_named_as_such():
+    # an HTTP server where Redis was expected: redis-py's protocol error used to escape
+    import socket as sk
+
+    listener = sk.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+
+    def answer_http() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"<html>not redis</html>\r\n")
+
+    threading.Thread(target=answer_http, daemon=True).start()
+    url = f"redis://:pw@127.0.0.1:{listener.getsockname()[1]}/0"
+    try:
+        with pytest.raises(BufferConnectionError) as err:
+            ReplayBuffer(url, "run").stats()
+    finally:
+        listener.close()
+    message = str(err.value)
+    assert "does not answer in the Redis protocol" in message
+    assert "check the host and port" in message
+    assert ":pw@" not in message
+
+
 def test_wrong_password_is_reported_without_retrying(redis_server):
     url = redis_server.url.replace(redis_server.password, "wrong")
     start = time.monotonic()
