@@ -133,7 +133,13 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]
         if isinstance(node, yaml.MappingNode):
             for key_node, value_node in node.value:
                 sub = (*loc, str(key_node.value))
-                lines[sub] = key_node.start_mark.line + 1
+                line = key_node.start_mark.line + 1
+                if sub in lines:  # YAML keeps the last silently, dropping the first's keys
+                    raise ConfigError(
+                        f"{source}:{line}: {'.'.join(sub)} is given twice (also line "
+                        f"{lines[sub]}); merge the two into one"
+                    )
+                lines[sub] = line
                 walk(value_node, sub)
 
     walk(root, ())

@@ -10,6 +10,8 @@ std, red-drop balances positives and negatives. Every value is overridable.
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -19,9 +21,29 @@ KLEstimator = Literal["k1", "k2", "k3"]
 
 
 class Frozen(BaseModel):
-    """Base of every config model: unknown keys are errors, values cannot change after load."""
+    """Base of every config model: unknown keys are errors, values cannot change after load,
+    and a number is never given as true/false (pydantic would read `run.steps=true` as 1)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key, value in data.items():
+                field = cls.model_fields.get(key)
+                if isinstance(value, bool) and field is not None:
+                    kinds = _kinds(field.annotation)
+                    if bool not in kinds and kinds & {int, float}:
+                        raise ValueError(f"{key}: expected a number, got {str(value).lower()}")
+        return data
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    """The plain types an annotation admits (through Optional / unions / Annotated)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated):
+        return set().union(*(_kinds(a) for a in typing.get_args(annotation)))
+    return {annotation}
 
 
 class AdvantageConfig(Frozen):
@@ -67,10 +89,8 @@ def _advantage(**settings: object) -> Any:
     )
 
 
-class LossPreset(BaseModel):
+class LossPreset(Frozen):
     """Parameters every preset accepts (all off or neutral by default)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     loss_agg_mode: AggMode = "token-mean"
     kl_coef: float = Field(

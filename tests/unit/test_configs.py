@@ -272,3 +272,26 @@ def test_a_yaml_error_on_a_line_with_a_password_does_not_print_it(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(write(tmp_path, text))
     assert "s3cr3t" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("override", "where"),
+    [("run.steps=true", "steps"), ("buffer.max_staleness=false", "max_staleness"),
+     ("learner.loss.epsilon_low=true", "epsilon_low")],
+)  # fmt: skip
+def test_a_number_given_as_true_or_false_is_refused(override, where):
+    # pydantic's lax mode read run.steps=true as 1
+    with pytest.raises(ConfigError, match=rf"{where}: expected a number, got (true|false)"):
+        parse_config(MINIMAL, ["learner.loss.name=rec-oneside-nois", override])
+    # a boolean key still takes one
+    assert parse_config(MINIMAL, ["learner.reference_model=true"]).learner.reference_model
+
+
+def test_a_section_given_twice_is_refused_not_merged_silently(tmp_path):
+    # YAML keeps the last of two equal keys: the first run: section's steps were lost
+    text = MINIMAL + "run: {steps: 3}\nrun: {name: x}\n"
+    with pytest.raises(ConfigError, match=r"run\.yaml:4: run is given twice \(also line 3\)"):
+        load_config(write(tmp_path, text))
+    nested = MINIMAL + "run:\n  steps: 3\n  steps: 4\n"
+    with pytest.raises(ConfigError, match=r"run\.steps is given twice"):
+        load_config(write(tmp_path, nested))
