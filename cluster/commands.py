@@ -273,6 +273,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from staleflow.actors.models import ModelError
+    from staleflow.actors.tasks import TaskError
     from staleflow.actors.worker import RolloutWorker
     from staleflow.configs import ConfigError, load_config, parse_config
 
@@ -280,6 +282,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.task:
         overrides.append(f"task.name={args.task}")
+    if args.prompts is not None:
+        if args.prompts < 1:
+            return _fail(f"--prompts must be at least 1, got {args.prompts}")
+        overrides.append(f"task.eval_prompts={args.prompts}")  # the schema's bounds apply
+    if args.temperature is not None:
+        overrides.append(f"task.eval_temperature={args.temperature}")
     try:
         if (target / "config.json").is_file() and (target / "checkpoints").is_dir():
             cfg = load_config(target / "config.json", overrides)  # a run: latest checkpoint
@@ -297,12 +305,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
             )
     except ConfigError as exc:
         return _fail(str(exc))
-    worker = RolloutWorker(cfg, run_id="eval")
-    version = 0
-    if weights is not None:
-        version, arrays = weights
-        worker.load_weights(arrays, version)
-    report = worker.evaluate(args.prompts, args.temperature)
+    try:  # a broken model directory or task data: one line, not a traceback
+        worker = RolloutWorker(cfg, run_id="eval")
+        version = 0
+        if weights is not None:
+            version, arrays = weights
+            worker.load_weights(arrays, version)
+        report = worker.evaluate()
+    except (ModelError, TaskError) as exc:
+        return _fail(str(exc))
     result = {"target": str(target), "version": version, "task": cfg.task.name, **vars(report)}
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
     return 0

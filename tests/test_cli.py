@@ -187,6 +187,29 @@ def test_eval_of_a_model_directory_with_a_task_and_overrides(tmp_path):
     assert 0.0 <= result["accuracy"] <= 1.0
 
 
+def test_eval_refuses_bad_options_and_a_broken_model_directory_in_one_line(tmp_path):
+    # each of these was a traceback, and --prompts 0 blamed the wrong task
+    from staleflow.actors.models import tiny_dir
+
+    model = str(tiny_dir())
+    for args, message in [
+        (["--prompts", "0"], "--prompts must be at least 1, got 0"),
+        (["--temperature", "-1"], "eval_temperature"),
+    ]:
+        out = staleflow("eval", model, "--task", "digits", *args)
+        assert out.returncode == 2, out.stdout
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    (broken / "model.safetensors").write_bytes(b"")
+    out = staleflow("eval", str(broken), "--task", "digits")
+    assert out.returncode == 2
+    assert f"cannot load the model in {broken}" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_config_refuses_what_train_would_refuse_before_starting():
     # `staleflow config` used to print these as fine; `train` refused them at start
     for overrides, message in [
