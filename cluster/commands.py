@@ -134,6 +134,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError
     from staleflow.buffer.server import RedisServerError
+    from staleflow.cluster.failures import ClusterUnreachable
     from staleflow.cluster.placement import ActorStartError
 
     try:
@@ -146,7 +147,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         ).run()
     except (
         ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError,
-        RewardError, PromptTooLongError, ActorStartError, ConfigError,
+        RewardError, PromptTooLongError, ActorStartError, ConfigError, ClusterUnreachable,
     ) as exc:  # fmt: skip
         return _fail(f"{exc} (run directory: {run.path})")
     finally:
@@ -336,6 +337,7 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    from staleflow.cluster.failures import ClusterUnreachable
     from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep
     from staleflow.cluster.sweep_report import write_sweep_report
     from staleflow.configs import ConfigError
@@ -382,6 +384,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             )
         except KeyboardInterrupt:  # between cells (a cell's own Ctrl-C stops it cleanly)
             results = {"": "interrupted"}
+        except ClusterUnreachable as exc:
+            return _fail(str(exc))
     else:
         results = {}
     if not (sweep.directory / "sweep.json").is_file():

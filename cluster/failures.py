@@ -3,7 +3,11 @@ name them without importing Ray (cluster/placement.py raises them)."""
 
 from __future__ import annotations
 
-__all__ = ["LearnerFailed"]
+__all__ = ["ClusterUnreachable", "LearnerFailed"]
+
+
+class ClusterUnreachable(RuntimeError):
+    """`--address` names no Ray cluster this process can join (nothing has started yet)."""
 
 
 class LearnerFailed(RuntimeError):

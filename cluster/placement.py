@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.buffer.ports import free_port
-from staleflow.cluster.failures import LearnerFailed
+from staleflow.cluster.failures import ClusterUnreachable, LearnerFailed
 from staleflow.cluster.learner_rank import LearnerRank
 from staleflow.cluster.resources import ipc_bundle
 from staleflow.learner.device import hidden_gpus_env
@@ -57,7 +57,15 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "include_dashboard": False}
     if address:
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, ValueError) as exc:  # none running there; ray:// w/o client
+            raise ClusterUnreachable(
+                f"cannot join the Ray cluster at --address {address}: {str(exc).rstrip('.')}. "
+                "Start one "
+                "(ray start --head) or give its address (auto on a node of it, HOST:6379, or "
+                "ray://HOST:10001); without --address staleflow starts a Ray of its own"
+            ) from None
         return
     needed = 1.0
     if cfg is not None:

@@ -239,3 +239,30 @@ def test_ipc_shares_that_add_up_to_one_gpu_fit_despite_rounding():
     one = cfg("sync.method=ipc", "learner.gpus_per_rank=0.5", "rollout.gpus_per_worker=0.5",
               "rollout.num_workers=1")  # fmt: skip
     assert run_requests(one)[0].role == "learner rank 0 with rollout worker 0"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [ConnectionError("Could not find any running Ray instance. Please specify the one to "
+                     "connect to by setting `--address` flag or `RAY_ADDRESS` env var."),
+     ValueError("Ray Client requires pip package `ray[client]`.")],
+)  # fmt: skip
+def test_an_address_ray_cannot_join_is_one_clear_error(monkeypatch, error):
+    # ray.init's own error, injected (no cluster needs to be missing for real): it escaped
+    # `staleflow train --address ...` as a traceback
+    import ray
+
+    from staleflow.cluster.failures import ClusterUnreachable
+    from staleflow.cluster.placement import start_ray
+
+    def refuse(**_kwargs):
+        raise error
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ClusterUnreachable) as raised:
+        start_ray("ray://head:10001")
+    message = str(raised.value)
+    assert message.startswith("cannot join the Ray cluster at --address ray://head:10001: ")
+    assert str(error).rstrip(".") in message
+    assert "ray start --head" in message
