@@ -258,6 +258,15 @@ class ReplayBuffer:
         self.client.ping()
 
     @translate_errors
+    def runs(self) -> list[str]:
+        """The runs with a buffer on this server (a stream or counters under their prefix)."""
+        names = set()
+        for pattern in ("staleflow:*:stream", "staleflow:*:stats"):
+            for key in self.client.scan_iter(match=pattern, count=1000):
+                names.add(text(key).split(":")[1])  # run names hold no ":" (see __init__)
+        return sorted(names)
+
+    @translate_errors
     def stats(self) -> BufferStats:
         """Counts for this run (cheap: a handful of O(1) commands and one memory estimate)."""
         keys = self.keys

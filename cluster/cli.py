@@ -86,6 +86,12 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             raise ValueError("--redis-url needs --run RUN, the run whose buffer to inspect")
         run = args.run or Path(args.run_dir).name
         with ReplayBuffer(url, run) as buffer:
+            runs = buffer.runs()
+            if run not in runs:  # not a buffer of zeros: there is none
+                raise ValueError(
+                    f"no run {run!r} in the buffer at {buffer.url_for_display}; runs there: "
+                    f"{', '.join(runs) or 'none'} (--run NAME)"
+                )
             stats = buffer.stats()
     except (BufferConnectionError, RedisServerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -115,6 +115,12 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
     table = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "demo")
     assert "pushed_by_version" in table.stdout
     assert "v0: 2, v1: 1" in table.stdout
+    # a run the server has no buffer for: named, with the runs it has (not a table of zeros)
+    push(redis_url, "other-run", [0])
+    wrong = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "demp")
+    assert wrong.returncode == 2
+    assert "no run 'demp' in the buffer at redis://:***@" in wrong.stderr
+    assert "runs there: demo, other-run (--run NAME)" in wrong.stderr
 
     run_dir = tmp_path / "job"
     with RedisServer(redis_dir(run_dir)) as server:  # the embedded server of a running job
