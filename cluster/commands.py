@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -71,6 +72,16 @@ def _default_of(field: Any) -> str:
         return ""
     default = field.get_default(call_default_factory=True)
     return f" [{getattr(default, 'name', default)}]"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _fail(message: str) -> int:
@@ -268,6 +279,15 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
     if args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}")
+    if args.timeout < 0:  # 0: leave the request and do not wait
+        return _fail(f"--timeout must be 0 or more, got {args.timeout:g}")
+    driver = status.get("driver") or {}
+    if driver.get("host") == socket.gethostname() and not _pid_alive(int(driver["pid"])):
+        return _fail(
+            f"run {run.path.name}'s driver (pid {driver['pid']}) is gone, though its status "
+            f"still says {status['state']} (killed?); continue it with staleflow train "
+            f"--resume {run.path}"
+        )
     try:  # the run's resolved config (dump_config: JSON)
         resolved = json.loads(run.config.read_text())
         method, reserved = resolved["sync"]["method"], resolved["rollout"]["num_workers"]

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +83,7 @@ class Driver(CheckpointMixin):
         self.resumed: Resume | None = None
         self.faults: list[dict[str, Any]] = []  # what failed, when, how long recovery took
         self.learner_failed: str | None = None
+        self.error: str | None = None  # what stopped a failed run (also in summary.json)
         self._checkpointed = -1  # the step of the newest checkpoint
 
     # the run's parts (cluster.services); None until started
@@ -350,6 +353,10 @@ class Driver(CheckpointMixin):
             logger.error("%s; the run stops (the ranks share one process group). Its last "
                          "checkpoint and the groups trained since are kept: resume with "
                          "`staleflow train --resume %s`", exc, self.rundir.path)  # fmt: skip
+        except Exception as exc:  # the caller reports it too; driver.log keeps the reason
+            self.error = redact(f"{type(exc).__name__}: {exc}")
+            logger.error("the run failed: %s", self.error)
+            raise
         finally:
             signal.signal(signal.SIGINT, previous)
             summary = self._finish(status)
@@ -497,11 +504,14 @@ class Driver(CheckpointMixin):
             summary["resume"] = f"staleflow train --resume {self.rundir.path}"
         if self.learner_failed is not None:
             summary["learner_error"] = self.learner_failed
+        if self.error is not None:
+            summary["error"] = self.error
         summary.update(wall_s=time.time() - self.started, **accuracy_fields(self.accuracy))
         if self.progress is not None:
             self.progress.stop()
         self._write_status(status)
-        logger.info("stopping (%s after %d steps): %s", status, self.step, summary.get("groups"))
+        groups = summary.get("groups", "no group was pushed (the buffer had not started)")
+        logger.info("stopping (%s after %d steps): %s", status, self.step, groups)
         self._teardown()
         write_json(self.rundir.summary, summary)
         try:
@@ -546,5 +556,6 @@ class Driver(CheckpointMixin):
                 "workers": len(pool.active) if pool is not None else 0,
                 "published_version": self.latest.version if self.latest is not None else None,
                 "updated_at": time.time(),
+                "driver": {"host": socket.gethostname(), "pid": os.getpid()},  # `scale` checks it
             },
         )

@@ -259,3 +259,28 @@ def test_a_local_vllm_run_without_vllm_installed_is_refused_before_ray_starts(tm
     assert out.returncode == 2
     assert "rollout.engine: vllm, but vLLM is not installed in this environment" in out.stderr
     assert not (tmp_path / "v").exists()  # refused before the run directory, or Ray
+
+
+def test_scale_of_a_run_whose_driver_is_gone_says_so_at_once(tmp_path):
+    # a driver killed with SIGKILL leaves status.json at "running": scale waited its whole
+    # --timeout for a confirmation that could not come
+    import socket
+
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import dump_config, load_config
+
+    run = RunDir.create(str(tmp_path), "killed")
+    run.config.write_text(dump_config(load_config(REPO / "configs/tiny.yaml")))
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is free now (a reuse within this test is not expected)
+    status = {"state": "running", "workers": 2, "driver": {"host": socket.gethostname(),
+                                                             "pid": dead.pid}}  # fmt: skip
+    run.status.write_text(json.dumps(status))
+    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "60")
+    assert out.returncode == 2
+    assert f"run killed's driver (pid {dead.pid}) is gone" in out.stderr
+    assert f"staleflow train --resume {run.path}" in out.stderr
+    assert not (run.control / "scale.json").exists()  # no request left behind
+    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "-1")
+    assert out.returncode == 2
+    assert "--timeout must be 0 or more, got -1" in out.stderr

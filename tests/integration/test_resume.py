@@ -255,6 +255,10 @@ def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, mo
     assert "KeyError: 'nope'" in out
     summary = json.loads((tmp_path / "runs/bad/summary.json").read_text())
     assert summary["status"] == "failed"
+    # the reason stays with the run, not only on the terminal
+    assert summary["error"].startswith("RewardError: the reward function raised")
+    log = (tmp_path / "runs/bad/logs/driver.log").read_text()
+    assert "the run failed: RewardError: the reward function raised" in log
 
 
 @pytest.mark.slow
