@@ -171,6 +171,12 @@ def _describe(
             show_input = False
         elif err["type"] == "value_error":
             msg = msg.removeprefix("Value error, ")
+            key, sep, rest = msg.partition(": ")  # a section's check naming one of its keys
+            parent = _node_at(data, loc[:-1]) if loc else None
+            if parent is not None and loc[-1] not in parent:  # a union tag (loss.<grpo>)
+                loc = loc[:-1]
+            if sep and key in (_node_at(data, loc) or {}):
+                loc, msg = (*loc, key), rest
         if show_input and err.get("input") is not None:
             msg += f" (got {err['input']!r})"
         where = _origin(loc, origins) or source
@@ -193,6 +199,12 @@ def _data_loc(loc: Sequence[int | str], data: Any) -> Loc:
             node = None
         kept.append(str(part))
     return tuple(kept)
+
+
+def _node_at(data: Any, loc: Loc) -> Any:
+    for part in loc:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data if isinstance(data, dict) else None
 
 
 def _origin(loc: Loc, origins: dict[Loc, str]) -> str | None:

@@ -281,8 +281,11 @@ def test_a_yaml_error_on_a_line_with_a_password_does_not_print_it(tmp_path):
 )  # fmt: skip
 def test_a_number_given_as_true_or_false_is_refused(override, where):
     # pydantic's lax mode read run.steps=true as 1
-    with pytest.raises(ConfigError, match=rf"{where}: expected a number, got (true|false)"):
+    with pytest.raises(ConfigError, match=rf"{where}: expected a number, got (true|false)") as err:
         parse_config(MINIMAL, ["learner.loss.name=rec-oneside-nois", override])
+    # blamed on the override that set it, under its full key
+    key = override.split("=")[0]
+    assert f"override {override!r}: {key}: expected a number" in str(err.value)
     # a boolean key still takes one
     assert parse_config(MINIMAL, ["learner.reference_model=true"]).learner.reference_model
 
