@@ -124,9 +124,9 @@ def translate_errors(method: Callable[P, R]) -> Callable[P, R]:
                 f"Redis at {where} refused the password ({exc}); check the password in the URL"
             ) from exc
         except redis.exceptions.InvalidResponse as exc:
-            raise BufferConnectionError(
-                f"the server at {where} does not answer in the Redis protocol ({exc}); check "
-                "the host and port in the URL"
+            raise BufferConnectionError(  # at first contact: most likely not a Redis server
+                f"the server at {where} sent a reply that is not in the Redis protocol ({exc}); "
+                "if it is not a Redis server, check the host and port in the URL"
             ) from exc
         except redis.ResponseError as exc:
             if "DB index is out of range" not in str(exc):

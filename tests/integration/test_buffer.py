@@ -642,8 +642,8 @@ def test_a_take_that_fails_after_decoding_hands_nothing_out_and_loses_nothing(
         raise redis.InvalidResponse("injected: garbled reply")
 
     monkeypatch.setattr(InFlight, "replies", unreadable)
-    with pytest.raises(redis.InvalidResponse):
-        buffer.take(2, 0)
+    with pytest.raises(BufferConnectionError, match="not in the Redis protocol"):
+        buffer.take(2, 0)  # (the buffer's own error for it, naming the server)
     monkeypatch.setattr(InFlight, "replies", real)
     # 0, 1 were decoded but never returned: offered again, then the read-ahead's 2, 3
     second = buffer.take(2, 0)
@@ -859,7 +859,7 @@ def test_a_server_that_is_not_redis_is_named_as_such():
     finally:
         listener.close()
     message = str(err.value)
-    assert "does not answer in the Redis protocol" in message
+    assert "sent a reply that is not in the Redis protocol" in message
     assert "check the host and port" in message
     assert ":pw@" not in message
 
