@@ -136,8 +136,13 @@ def translate_errors(method: Callable[P, R]) -> Callable[P, R]:
                 "redis://...:port/0"
             ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
+            tls = ""
+            if where.startswith("rediss://") and "timeout" in str(exc).lower():
+                tls = (
+                    " (rediss:// waits for a TLS handshake: if the server has no TLS, use redis://)"
+                )
             raise BufferConnectionError(
-                f"Redis at {where} is unreachable after retrying ({exc}); "
+                f"Redis at {where} is unreachable after retrying ({exc}){tls}; "
                 "start one, fix the URL, or omit --redis-url to use the embedded server"
             ) from exc
 
