@@ -35,15 +35,13 @@ def _version() -> str:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from staleflow.cluster.resources import check_sync_method
-    from staleflow.cluster.schedule import check_schedule
+    from staleflow.cluster.commands import check_before_start
     from staleflow.configs import ConfigError, dump_config, load_config
     from staleflow.configs.loader import redact
 
     try:
         cfg = load_config(args.config, args.overrides)
-        check_schedule(cfg)  # what `staleflow train` refuses before starting anything
-        check_sync_method(cfg)
+        check_before_start(cfg)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -50,6 +50,17 @@ def _section_keys(prefix: str, model: Any) -> list[str]:
     return lines
 
 
+def check_before_start(cfg: Any) -> None:
+    """What `staleflow train` refuses before starting anything, and `staleflow config`
+    reports: the schedule against buffer.max_staleness, the sync method against the roles'
+    devices (ConfigError)."""
+    from staleflow.cluster.resources import check_sync_method
+    from staleflow.cluster.schedule import check_schedule
+
+    check_schedule(cfg)
+    check_sync_method(cfg)
+
+
 def _check_engine_installed(cfg: Any, address: str | None) -> None:
     """A local run with rollout.engine vllm needs vLLM in this environment (its workers run
     here): refused before Ray starts, not by every worker after. On a cluster (--address) the
@@ -80,7 +91,7 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
-        return True
+        pass
     return True
 
 
@@ -92,10 +103,8 @@ def _fail(message: str) -> int:
 def cmd_train(args: argparse.Namespace) -> int:
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.progress import Progress
-    from staleflow.cluster.resources import check_sync_method
     from staleflow.cluster.resume import ResumeError
     from staleflow.cluster.rundir import RunDir
-    from staleflow.cluster.schedule import check_schedule
     from staleflow.cluster.services import redis_url_from_env
     from staleflow.configs import ConfigError, load_config
 
@@ -114,8 +123,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             cfg = load_config(args.config, overrides)
             name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
-        check_schedule(cfg)
-        check_sync_method(cfg)
+        check_before_start(cfg)
         _check_engine_installed(cfg, args.address)
         if (
             cfg.buffer.redis_url is None

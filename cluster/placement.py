@@ -62,9 +62,9 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
         except (ConnectionError, ValueError) as exc:  # none running there; ray:// w/o client
             raise ClusterUnreachable(
                 f"cannot join the Ray cluster at --address {address}: {str(exc).rstrip('.')}. "
-                "Start one "
-                "(ray start --head) or give its address (auto on a node of it, HOST:6379, or "
-                "ray://HOST:10001); without --address staleflow starts a Ray of its own"
+                "Start one (ray start --head) or give its address (auto on a node of it, "
+                "HOST:6379, or ray://HOST:10001); without --address staleflow starts a Ray of "
+                "its own"
             ) from None
         return
     needed = 1.0
