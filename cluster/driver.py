@@ -454,6 +454,7 @@ class Driver(CheckpointMixin):
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
         self.services.start(resume=self.resume)
+        self.learner.while_waiting = self._check_redis  # also during checkpoints and publishes
         self.rollouts = Rollouts(
             self.cfg,
             self.pool,
@@ -510,7 +511,7 @@ class Driver(CheckpointMixin):
         if self.progress is not None:
             self.progress.stop()
         self._write_status(status)
-        groups = summary.get("groups", "no group was pushed (the buffer had not started)")
+        groups = summary.get("groups", "groups not reconciled (no buffer to count them in)")
         logger.info("stopping (%s after %d steps): %s", status, self.step, groups)
         self._teardown()
         write_json(self.rundir.summary, summary)

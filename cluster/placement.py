@@ -16,7 +16,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,6 +267,10 @@ class LearnerGroup:
     run_id: str | None = None
     trajectories_dir: str | None = None
     shared: tuple[Any, ...] = ()  # storage.SharedDir every rank must see (checked at start)
+    # called about every second while the driver waits on the ranks outside a step (a
+    # checkpoint, a publish): the driver restarts a dead Redis there, as it does between
+    # steps, or a rank's commit would wait out its client's retries and fail the run
+    while_waiting: Callable[[], None] = lambda: None
 
     def __post_init__(self) -> None:
         learner = self.cfg.learner
@@ -343,29 +347,43 @@ class LearnerGroup:
         return [r.train.remote(wait_s, publish) for r in self.ranks]
 
     def publish(self) -> Any:
-        return _on_ranks([r.publish.remote() for r in self.ranks], "a publish")[0]
+        return self._on_ranks([r.publish.remote() for r in self.ranks], "a publish")[0]
 
     def save_shared(self, versions: list[int], directory: str) -> None:
         ref = self.ranks[0].save_shared.remote(versions, os.path.abspath(directory))
-        _on_ranks([ref], "a checkpoint")
+        self._on_ranks([ref], "a checkpoint")
 
     def settle(self) -> tuple[int, int]:
         """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""
-        return tuple(_on_ranks([self.ranks[0].settle.remote()], "the stop")[0])  # type: ignore[return-value]
+        return tuple(self._on_ranks([self.ranks[0].settle.remote()], "the stop")[0])  # type: ignore[return-value]
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         """Every rank checkpoints its part (the held groups are acked by `commit`). Paths
         are made absolute here: a rank's working directory is not the driver's."""
         path = os.path.abspath(path)
-        _on_ranks([r.save.remote(path, extra) for r in self.ranks], "a checkpoint")
+        self._on_ranks([r.save.remote(path, extra) for r in self.ranks], "a checkpoint")
 
     def commit(self) -> int:
         """Once LATEST names the checkpoint: rank 0 acks the groups it named; how many."""
-        return int(_on_ranks([self.ranks[0].commit.remote()], "a checkpoint")[0])
+        return int(self._on_ranks([self.ranks[0].commit.remote()], "a checkpoint")[0])
 
     def load(self, path: str | None, step: int) -> int:
         path = os.path.abspath(path) if path is not None else None
-        return int(_on_ranks([r.load.remote(path, step) for r in self.ranks], "the resume")[0])
+        return int(self._on_ranks([r.load.remote(path, step) for r in self.ranks], "the resume")[0])
+
+    def _on_ranks(self, refs: list[Any], during: str) -> list[Any]:
+        """The results of calls on learner ranks, calling `while_waiting` meanwhile; a rank
+        that died or raised during them (a publish, a checkpoint, ...) is a LearnerFailed, as
+        in a step, so the run stops the same clean way whatever the ranks were doing."""
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if pending:
+                self.while_waiting()
+        try:
+            return list(ray.get(refs))
+        except ray.exceptions.RayError as exc:
+            raise LearnerFailed(f"a learner rank failed during {during}: {exc}") from exc
 
     def kill(self) -> None:
         try:
@@ -375,16 +393,6 @@ class LearnerGroup:
                 ray.kill(r)
             if self.group is not None:
                 remove_placement_group(self.group)
-
-
-def _on_ranks(refs: list[Any], during: str) -> list[Any]:
-    """The results of calls on learner ranks; a rank that died or raised during them (a
-    publish, a checkpoint, ...) is a LearnerFailed, as in a step, so the run stops the same
-    clean way whatever the ranks were doing."""
-    try:
-        return list(ray.get(refs))
-    except ray.exceptions.RayError as exc:
-        raise LearnerFailed(f"a learner rank failed during {during}: {exc}") from exc
 
 
 @ray.remote(num_cpus=0)

@@ -133,6 +133,40 @@ def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
     ]
 
 
+def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
+    tmp_path, ray_local, monkeypatch
+):
+    # A make test run of the chaos test killed Redis while rank 0 acked a checkpoint's
+    # groups: the driver, blocked on that call, restarted Redis only after the rank's
+    # client had given up, and the run stopped. Injected here: Redis is SIGKILLed as the
+    # checkpoint at step 2 commits; the driver restarts it while it waits, and the commit
+    # goes through.
+    import os
+    import signal
+
+    from staleflow.cluster.placement import LearnerGroup
+
+    original = LearnerGroup.commit
+    killed: list[int] = []
+
+    def redis_dies_first(self):
+        if not killed:
+            pid = json.loads((tmp_path / "r/redis/server.json").read_text())["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return original(self)
+
+    monkeypatch.setattr(LearnerGroup, "commit", redis_dies_first)
+    _cfg, _run, summary, _ = run_driver(
+        tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1"
+    )
+    assert killed
+    assert summary["status"] == "completed", summary
+    assert [f["what"] for f in summary["faults"]] == ["redis"]
+    assert_reconciled(summary)
+    assert summary["groups"]["trained"] == 4 * 2
+
+
 def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
     tmp_path, ray_local, monkeypatch, caplog
 ):
