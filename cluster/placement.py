@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import re
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "include_dashboard": False}
     if address:
+        _check_reachable(address)
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, ValueError) as exc:  # none running there; ray:// w/o client
@@ -97,6 +99,34 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
         object_store_memory=store,
         _system_config=system,
         **kwargs,
+    )
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once, naming the address, when nothing accepts a TCP connection at the
+    HOST:PORT of `address`: ray.init retries such an address for minutes (here, with nothing
+    on a loopback port, still retrying after 6 min). 'auto' and anything without a port are
+    left to ray.init."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return
+    host = host.strip("[]")  # [IPv6]:port
+    hosts = [host]
+    if host in ("127.0.0.1", "localhost", "::1"):  # ray.init joins this node's address instead
+        hosts.append(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    why = ""
+    for candidate in hosts:
+        try:
+            socket.create_connection((candidate, int(port)), timeout=timeout_s).close()
+            return
+        except OSError as exc:
+            why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+    raise ClusterUnreachable(
+        f"cannot join the Ray cluster at --address {address}: nothing accepts "
+        f"connections at {host}:{port} ({why}). Check the host and port (the head's GCS "
+        "port, 6379 by default, or ray://HOST:10001 for Ray Client), start one there "
+        "(ray start --head), or use auto on a node of the cluster; without --address "
+        "staleflow starts a Ray of its own"
     )
 
 

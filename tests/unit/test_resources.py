@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -260,9 +261,38 @@ def test_an_address_ray_cannot_join_is_one_clear_error(monkeypatch, error):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
-    with pytest.raises(ClusterUnreachable) as raised:
-        start_ray("ray://head:10001")
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # something is there
+        address = f"ray://127.0.0.1:{listening.getsockname()[1]}"
+        with pytest.raises(ClusterUnreachable) as raised:
+            start_ray(address)
     message = str(raised.value)
-    assert message.startswith("cannot join the Ray cluster at --address ray://head:10001: ")
+    assert message.startswith(f"cannot join the Ray cluster at --address {address}: ")
     assert str(error).rstrip(".") in message
     assert "ray start --head" in message
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"])
+def test_an_address_where_nothing_listens_is_refused_before_ray_init(monkeypatch, scheme):
+    # ray.init retries a GCS address with nothing behind it for minutes; the driver tries
+    # one TCP connection first (to the port and, for a loopback host, this node's address,
+    # which ray.init would use instead) and refuses at once
+    import ray
+
+    from staleflow.buffer.ports import free_port
+    from staleflow.cluster.failures import ClusterUnreachable
+    from staleflow.cluster.placement import start_ray
+
+    called = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: called.append(kwargs))
+    port = free_port("127.0.0.1")
+    with pytest.raises(ClusterUnreachable) as raised:
+        start_ray(f"{scheme}127.0.0.1:{port}")
+    assert called == []
+    message = str(raised.value)
+    assert f"nothing accepts connections at 127.0.0.1:{port} (Connection refused)" in message
+    assert "ray start --head" in message
+    # with something listening, the address goes on to ray.init
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        start_ray(f"{scheme}127.0.0.1:{listening.getsockname()[1]}")
+    assert len(called) == 1
