@@ -7,6 +7,7 @@ import socket
 import threading
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -25,8 +26,17 @@ class BufferConnectionError(ConnectionError):
 
 
 class _RetryUnlessRefused(Retry):
-    """Retry dropped connections with backoff, but never a refused password: redis-py's
-    AuthenticationError is a ConnectionError, and retrying it only delays the error."""
+    """Retry dropped connections with backoff, but never a refused password (redis-py's
+    AuthenticationError is a ConnectionError, and retrying it only delays the error), nor a
+    rediss:// handshake with a server that has no TLS. Such a server waits for the end of a
+    command that the handshake's bytes never finish, so each attempt ran to the socket
+    timeout and the retries (redis-py's connect retries nested in the command's) went on
+    for minutes: after a timeout, `tls_target` (host, port, the URL to show) is probed once
+    in plain text, and a server that answers in the Redis protocol ends it."""
+
+    def __init__(self, *args: Any, tls_target: tuple[str, int, str] | None = None) -> None:
+        super().__init__(*args)
+        self.tls_target = tls_target
 
     def call_with_retry(
         self,
@@ -38,6 +48,14 @@ class _RetryUnlessRefused(Retry):
         def retryable(error: Exception) -> bool:
             if isinstance(error, redis.AuthenticationError):
                 return False
+            if self.tls_target and isinstance(error, redis.TimeoutError | socket.timeout):
+                host, port, shown = self.tls_target
+                if answers_plain_redis(host, port):
+                    raise BufferConnectionError(
+                        f"Redis at {shown} has no TLS: it answers plain-text Redis commands, "
+                        "so the TLS handshake rediss:// starts never completes; use redis:// "
+                        "(or enable TLS on the server)"
+                    ) from error
             return is_retryable is None or is_retryable(error)
 
         return super().call_with_retry(do, fail, retryable, with_failure_count)
@@ -50,15 +68,35 @@ def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> re
         raise ValueError(
             f"Redis URL must start with redis://, rediss:// or unix:// (got {redact(url)!r})"
         )
+    tls_target = None
+    if url.startswith("rediss://"):
+        parts = urlsplit(url)
+        tls_target = (parts.hostname or "localhost", parts.port or 6379, redact(url))
+    retry = _RetryUnlessRefused(
+        ExponentialBackoff(cap=2.0, base=0.05), retries, tls_target=tls_target
+    )
     return redis.Redis.from_url(
         url,
-        retry=_RetryUnlessRefused(ExponentialBackoff(cap=2.0, base=0.05), retries),
+        retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError, socket.timeout],
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
         socket_keepalive=True,
         health_check_interval=30,
     )
+
+
+def answers_plain_redis(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    """True if the server at host:port answers a plain-text PING in the Redis protocol (a
+    status or an error reply, e.g. +PONG or -NOAUTH); a TLS server answers with an alert or
+    closes the connection."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            reply = sock.recv(16)
+    except OSError:
+        return False
+    return reply[:1] in (b"+", b"-")
 
 
 def without_retries(client: redis.Redis) -> redis.Redis:

@@ -833,6 +833,21 @@ def test_a_database_the_server_lacks_is_named(redis_server):
     assert redis_server.password not in str(err.value)  # the URL is shown masked
 
 
+def test_rediss_to_a_server_without_tls_says_so_after_one_handshake(redis_server):
+    # The TLS handshake's bytes never end a Redis command, so the server waits and every
+    # attempt ran to the socket timeout: with redis-py's connect retries nested in the
+    # command's, a rediss:// URL to this server went on for minutes. After the first timeout
+    # one plain-text PING finds a Redis server (-NOAUTH here) and ends it with the fix.
+    from staleflow.buffer.connection import connect
+
+    url = redis_server.url.replace("redis://", "rediss://", 1)
+    client = connect(url, socket_timeout_s=1.0)
+    with pytest.raises(BufferConnectionError, match="has no TLS: it answers plain-text") as err:
+        client.ping()
+    assert "use redis://" in str(err.value)
+    assert redis_server.password not in str(err.value)
+
+
 def test_a_server_that_is_not_redis_is_named_as_such():
     # an HTTP server where Redis was expected: redis-py's protocol error used to escape
     import socket as sk
