@@ -56,6 +56,7 @@ __all__ = [
     "tensor_layouts",
     "unflatten_tensors",
     "unpack_bucket",
+    "wire_views",
     "write_bucket",
 ]
 
@@ -227,7 +228,7 @@ WireLayout = list[list[Any]]
 _WIRE_DTYPES = {"<f4", "<f2", "<f8", "<i2", "<i4", "<i8", "|u1", "|i1", "|b1"}
 
 
-def _wire_views(bucket: Arrays) -> tuple[WireLayout, list[memoryview]]:
+def wire_views(bucket: Arrays) -> tuple[WireLayout, list[memoryview]]:
     """The layout of a bucket and each array's bytes (views, no copy), in layout order."""
     layout: WireLayout = []
     views = []
@@ -244,7 +245,7 @@ def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
     """One bucket as plain `bytes` plus its layout: serialisable by construction (msgpack,
     pickle, vLLM's IPC), where numpy arrays are not (vLLM's multiprocess mode turns them into
     nested lists). One copy of the bytes; bfloat16 travels as its int16 view."""
-    layout, views = _wire_views(bucket)
+    layout, views = wire_views(bucket)
     return layout, b"".join(views)
 
 
@@ -253,7 +254,7 @@ def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
     between) for a process on the same node to read with `read_bucket`; returns the layout.
     In shared memory (/dev/shm) neither side touches a disk. A file of exactly that size is
     overwritten in place, keeping its pages (fresh tmpfs pages cost more than the copy)."""
-    layout, views = _wire_views(bucket)
+    layout, views = wire_views(bucket)
     size = sum(v.nbytes for v in views)
     same = os.path.exists(path) and os.path.getsize(path) == size
     with open(path, "r+b" if same else "wb") as handle:

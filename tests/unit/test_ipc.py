@@ -93,6 +93,37 @@ def test_versions_stay_until_discarded_and_their_files_are_reused_in_place(tmp_p
         open_bucket(v2.buckets[0])
 
 
+def test_both_sides_keep_their_mappings_of_reused_files_and_let_go_of_removed_ones(tmp_path):
+    # a version written into a reused file goes through rank 0's kept mapping and is read
+    # through the engine's kept mapping of the same file (no page faults on either side);
+    # what they read is still each version's own bytes, and removing the files frees them
+    tensors = weights()
+    sharer = WeightSharer(4096, shm_dir=str(tmp_path))
+    v1 = sharer.share(tensors, version=1)
+    first = open_bucket(v1.buckets[0])["w"].copy()
+    written = dict(sharer.files._maps)  # path -> (inode, mapping)
+    opened = {path: kept[1] for path, kept in ipc._opened.items() if path in written}
+    assert list(opened) == [v1.buckets[0].where[0]]
+    sharer.discard(1)
+    tensors["w"] *= -1.0
+    v3 = sharer.share(tensors, version=3)  # into version 1's files, through the same mappings
+    assert v3.buckets[0].where == v1.buckets[0].where
+    assert all(sharer.files._maps[p][1] is kept[1] for p, kept in written.items())
+    third = open_bucket(v3.buckets[0])["w"]
+    assert ipc._opened[v3.buckets[0].where[0]][1] is opened[v3.buckets[0].where[0]]
+    np.testing.assert_array_equal(third, tensors["w"].numpy())
+    np.testing.assert_array_equal(first, -third)
+    del third
+    sharer.close()
+    assert sharer.files._maps == {}
+    assert staleflow_files(tmp_path) == []
+    # the next file any engine opens sweeps out the mappings of removed files
+    fresh = WeightSharer(4096, shm_dir=str(tmp_path), tag="fresh")
+    open_bucket(fresh.share(weights(), version=1).buckets[0])
+    assert not set(opened) & set(ipc._opened)
+    fresh.close()
+
+
 def test_a_worker_elsewhere_is_told_where_the_weights_are(tmp_path):
     sharer = WeightSharer(4096, shm_dir=str(tmp_path))
     shared = sharer.share(weights(), version=1, place=("a" * 40, ["0"]))
@@ -138,14 +169,14 @@ def test_a_failed_share_leaves_no_file_behind(tmp_path, monkeypatch):
     # a full /dev/shm fails the write: the files this share made are removed again
     written = []
 
-    def fail_on_the_second(bucket, path):
+    def fail_on_the_second(self, bucket, path):
         if written:
             raise OSError("No space left on device")
         written.append(path)
-        return real(bucket, path)
+        return real(self, bucket, path)
 
-    real = ipc.write_bucket
-    monkeypatch.setattr(ipc, "write_bucket", fail_on_the_second)
+    real = ipc.MappedFiles.write
+    monkeypatch.setattr(ipc.MappedFiles, "write", fail_on_the_second)
     with pytest.raises(OSError, match="No space left"):
         WeightSharer(4096, shm_dir=str(tmp_path)).share(weights(), version=1)
     assert written
