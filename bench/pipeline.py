@@ -122,6 +122,8 @@ def main() -> int:
         help="sync.method of both runs (ipc: colocated roles, one GPU or CPU)",
     )
     args = p.parse_args()
+    if args.steps < 3:  # the medians skip step 1, the throughput window starts after step 2
+        p.error(f"--steps must be at least 3, got {args.steps}")
     common = [
         f"run.steps={args.steps}",
         f"rollout.num_workers={args.workers}",

@@ -32,11 +32,13 @@ class _RetryUnlessRefused(Retry):
     command that the handshake's bytes never finish, so each attempt ran to the socket
     timeout and the retries (redis-py's connect retries nested in the command's) went on
     for minutes: after a timeout, `tls_target` (host, port, the URL to show) is probed once
-    in plain text, and a server that answers in the Redis protocol ends it."""
+    in plain text (once per connection: the nested retries see every timeout), and a server
+    that answers in the Redis protocol ends it."""
 
     def __init__(self, *args: Any, tls_target: tuple[str, int, str] | None = None) -> None:
         super().__init__(*args)
         self.tls_target = tls_target
+        self._probed = False
 
     def call_with_retry(
         self,
@@ -48,7 +50,9 @@ class _RetryUnlessRefused(Retry):
         def retryable(error: Exception) -> bool:
             if isinstance(error, redis.AuthenticationError):
                 return False
-            if self.tls_target and isinstance(error, redis.TimeoutError | socket.timeout):
+            timeout = isinstance(error, redis.TimeoutError | socket.timeout)
+            if self.tls_target and timeout and not self._probed:
+                self._probed = True
                 host, port, shown = self.tls_target
                 if answers_plain_redis(host, port):
                     raise BufferConnectionError(

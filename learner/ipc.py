@@ -284,6 +284,21 @@ class WeightSharer:
         return held
 
 
+FileKey = tuple[int, int, int]
+"""A file as both sides of a mapping tell it apart: device, inode and size."""
+
+
+def _key_of(st: os.stat_result) -> FileKey:
+    return st.st_dev, st.st_ino, st.st_size
+
+
+def _file_key(path: str) -> FileKey | None:
+    try:
+        return _key_of(os.stat(path))
+    except FileNotFoundError:
+        return None
+
+
 class MappedFiles:
     """Learner rank 0's bucket files (CPU roles), each kept mapped from one version to the
     next. Writing a version into a reused file is then a memcpy into pages already mapped;
@@ -292,7 +307,7 @@ class MappedFiles:
     A bucket's file holds exactly `write_bucket`'s bytes."""
 
     def __init__(self) -> None:
-        self._maps: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (inode, mapping)
+        self._maps: dict[str, tuple[FileKey, mmap.mmap]] = {}  # path -> (its file, mapping)
 
     def write(self, bucket: Mapping[str, np.ndarray], path: str) -> list[Any]:
         """Write `bucket` to the file `path` (made or resized as needed); its layout."""
@@ -309,12 +324,8 @@ class MappedFiles:
     def _mapping(self, path: str, size: int) -> mmap.mmap | None:
         kept = self._maps.get(path)
         if kept is not None:
-            inode, mapping = kept
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                st = None
-            if st is not None and st.st_ino == inode and st.st_size == len(mapping) == size:
+            key, mapping = kept
+            if key[2] == size and _file_key(path) == key:  # the same file, the same size
                 return mapping
             self.drop(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -324,7 +335,7 @@ class MappedFiles:
             if size == 0:  # nothing to write, and an empty file cannot be mapped
                 return None
             mapping = mmap.mmap(fd, size)
-            self._maps[path] = (os.fstat(fd).st_ino, mapping)
+            self._maps[path] = (_key_of(os.fstat(fd)), mapping)
         finally:
             os.close(fd)
         return mapping
@@ -343,16 +354,8 @@ class MappedFiles:
 # files, for the same reason (a fresh mapping faults in every page on the first read: 90 ms
 # for 651 MB where the copy out of a kept one took 31 ms). Keyed by path; an entry goes as
 # soon as its file is removed or replaced, so no removed file's memory is held for long.
-_opened: dict[str, tuple[tuple[int, int, int], np.memmap]] = {}
+_opened: dict[str, tuple[FileKey, np.memmap]] = {}
 _opened_lock = threading.Lock()
-
-
-def _file_key(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size
 
 
 def _read_kept(layout: list[Any], path: str) -> dict[str, np.ndarray]:
