@@ -19,6 +19,7 @@ from typing import Any
 
 import redis
 
+from staleflow.buffer import resp
 from staleflow.buffer.connection import Pinned
 
 __all__ = ["InFlight"]
@@ -34,14 +35,15 @@ class InFlight:
 
     @classmethod
     def send(cls, lane: Pinned, commands: Sequence[tuple[Any, ...]]) -> InFlight:
-        """Write `commands` in one packed send on a connection of `lane` (held until
-        `replies`)."""
+        """Write `commands` in one system call (resp.send) on a connection of `lane` (held
+        until `replies`)."""
+        packed = resp.pack(commands)  # a bad argument raises here, with nothing sent
         try:
             conn = lane.acquire()
         except _LOST:
             return cls(lane, None, commands)
         try:
-            conn.send_packed_command(conn.pack_commands(commands))
+            resp.send(conn, packed)
         except _LOST:
             conn.disconnect()
             lane.release(conn)

@@ -1,0 +1,153 @@
+"""The buffer's own writes (buffer.resp, InFlight) against a real redis-server: large groups
+sent from their own memory, pushes of more than 1024 buffers, TLS, and the ack's recovery
+from a lost reply or a server without its scripts."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from staleflow.buffer.connection import BufferConnectionError
+from staleflow.buffer.inflight import InFlight
+from staleflow.buffer.records import synthetic_groups
+from staleflow.buffer.replay import ReplayBuffer
+from staleflow.buffer.server import find_redis_server, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_large_groups_arrive_bit_for_bit(redis_url):
+    # 2048-token responses: every array is far above the 4 KB cutoff, so each is written
+    # from the group's own memory (not copied into the command)
+    groups = synthetic_groups(5, k=4, tokens=2048, prompt_tokens=1500, seed=3)
+    buffer = ReplayBuffer(redis_url, "run")
+    assert buffer.push_many(groups[:3]) == [True] * 3
+    assert [buffer.push(g) for g in groups[3:]] == [True, True]
+    taken = buffer.take(5, learner_version=3)
+    assert taken.groups == groups  # Group.__eq__ compares every array exactly
+    assert buffer.ack(taken.receipts) == 5
+
+
+def test_a_push_of_more_than_1024_buffers_arrives_whole(redis_url):
+    # 400 groups of 2 arrays above the cutoff each: ~1,600 buffers, more than one sendmsg
+    groups = synthetic_groups(400, k=2, tokens=1100, seed=4)
+    buffer = ReplayBuffer(redis_url, "run", capacity=400)
+    assert buffer.push_many(groups) == [True] * 400
+    taken = buffer.take(400, learner_version=3)
+    assert taken.groups == groups
+    stats = buffer.stats()
+    assert (stats.pushed, stats.length) == (400, 400)
+
+
+def test_an_ack_after_the_server_lost_its_scripts_runs_once(redis_url):
+    buffer = ReplayBuffer(redis_url, "run", read_ahead=False)
+    buffer.push_many(synthetic_groups(4, k=2, tokens=8))
+    first = buffer.take(2, learner_version=3)
+    assert buffer.ack(first.receipts) == 2  # by EVALSHA: the script is now cached
+    redis.Redis.from_url(redis_url).script_flush()  # as a restarted server would have it
+    second = buffer.take(2, learner_version=3)
+    assert buffer.ack(second.receipts) == 2  # NOSCRIPT, then the body: acked, and once
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending) == (4, 0, 0)
+
+
+def test_an_ack_whose_reply_was_lost_is_sent_again_and_applied_once(redis_url, monkeypatch):
+    buffer = ReplayBuffer(redis_url, "run", read_ahead=False)
+    buffer.push_many(synthetic_groups(3, k=2, tokens=8))
+    taken = buffer.take(3, learner_version=3)
+    real, lost = InFlight.replies, []
+
+    def lost_once(self):
+        replies = real(self)  # the ack ran on the server; its reply never reaches us
+        if not lost:
+            lost.append(replies)
+            return None
+        return replies
+
+    monkeypatch.setattr(InFlight, "replies", lost_once)
+    # sent again, it finds nothing pending: the count is what the resent ack found
+    assert buffer.ack(taken.receipts) == 0
+    assert lost == [[3]]
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending) == (3, 0, 0)  # counted once
+
+
+def test_an_ack_whose_connection_always_drops_fails(redis_url, monkeypatch):
+    buffer = ReplayBuffer(redis_url, "run", read_ahead=False)
+    buffer.push_many(synthetic_groups(2, k=2, tokens=8))
+    taken = buffer.take(2, learner_version=3)
+    calls = []
+    monkeypatch.setattr(InFlight, "replies", lambda self: calls.append(1))  # always lost
+    with pytest.raises(BufferConnectionError, match="each of 6 attempts of an ack of 2 groups"):
+        buffer.ack(taken.receipts)
+    assert len(calls) == 6
+
+
+# ----------------------------------------------------------------------------- TLS
+
+
+@pytest.fixture
+def tls_url(tmp_path: Path):
+    """A redis-server of this test's own that speaks only TLS, with a self-signed
+    certificate; the URL trusts that certificate."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-days", "1", "-subj", "/CN=localhost", "-addext",
+         "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port("127.0.0.1")
+    server = subprocess.Popen(
+        [find_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file",
+         str(cert), "--tls-auth-clients", "no", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        context = ssl.create_default_context(cafile=str(cert))
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as raw:
+                    context.wrap_socket(raw, server_hostname="127.0.0.1").close()
+                break
+            except OSError as exc:
+                if server.poll() is not None:
+                    output = server.stdout.read().decode() if server.stdout else ""
+                    if "TLS" in output and "not" in output.lower():
+                        pytest.skip(f"this redis-server has no TLS: {output[-300:]}")
+                    raise AssertionError(f"redis-server with TLS did not start: {output}") from exc
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}"
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_push_take_and_ack_over_tls(tls_url):
+    # A TLS socket has no sendmsg: the buffer joins the parts and writes them once
+    groups = synthetic_groups(6, k=4, tokens=2048, seed=5)
+    buffer = ReplayBuffer(tls_url, "run")
+    assert buffer.push_many(groups[:4]) == [True] * 4
+    assert [buffer.push(g) for g in groups[4:]] == [True, True]
+    assert buffer.push(groups[0]) is False  # still idempotent
+    assert isinstance(buffer._producer._lane._conn._sock, ssl.SSLSocket)  # the path under test
+    first = buffer.take(3, learner_version=3)
+    second = buffer.take(3, learner_version=3, ack=first.receipts)
+    assert first.groups + second.groups == groups
+    assert buffer.ack(second.receipts) == 3
+    stats = buffer.stats()
+    assert (stats.pushed, stats.acked, stats.length) == (6, 6, 0)
