@@ -179,8 +179,9 @@ class Consumer:
 
     def _run_ack(self, args: list[Any]) -> Any:
         """scripts.ACK by EVALSHA in one write on the ack's pinned connection (InFlight),
-        without redis-py's per-call work or a pooled connection: 1.2-1.3x faster than the
-        registered script's call (bench/buffer.py, take+ack). Acking is idempotent, so a
+        without redis-py's per-call work or a pooled connection: 124-139 us per 8 acked,
+        against 155-181 us by the registered script's call (side by side, a take-then-ack
+        loop of 66 KB groups on the 2-core machine). Acking is idempotent, so a
         reply lost with its connection is sent again, once the client's retries reach the
         server; a server that lost its scripts (NOSCRIPT, nothing ran) gets the body."""
         keys = self._ack_keys
