@@ -4,7 +4,8 @@
 
 Override values are parsed as YAML scalars, so `2.0`, `true`, `null` and `[a, b]` get their
 natural types. Errors are collected into one `ConfigError` whose lines name the file and line
-(or the override) each bad key or value came from, and list the valid keys or choices.
+(or the override) each bad key or value came from, and list the valid keys or choices; a
+section's own check names the section's line and the overrides of keys inside it.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def _describe(
                 loc, msg = (*loc, key), rest
         if show_input and err.get("input") is not None:
             msg += f" (got {err['input']!r})"
-        where = _origin(loc, origins) or source
+        where = _where(loc, data, origins) or source
         out.append(redact(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}"))
     return "\n".join(out)
 
@@ -205,6 +206,21 @@ def _node_at(data: Any, loc: Loc) -> Any:
     for part in loc:
         data = data.get(part) if isinstance(data, dict) else None
     return data if isinstance(data, dict) else None
+
+
+def _where(loc: Loc, data: dict[str, Any], origins: dict[Loc, str]) -> str | None:
+    """Where the value at `loc` came from. A section's own check (the error is at a
+    section, not a key) may fail because of any key in it: the overrides that set one are
+    named too, since the file's line for the section is then not the whole story."""
+    where = _origin(loc, origins)
+    if loc and _node_at(data, loc) is None:  # a key: its own line or override
+        return where
+    inside = [
+        origin
+        for key, origin in origins.items()
+        if len(key) > len(loc) and key[: len(loc)] == loc and origin.startswith("override ")
+    ]
+    return ", ".join(dict.fromkeys([where, *inside] if where else inside)) or None
 
 
 def _origin(loc: Loc, origins: dict[Loc, str]) -> str | None:

@@ -142,6 +142,26 @@ def test_bad_value_from_an_override_names_the_override():
         parse_config(MINIMAL, ["rollout.temperature=-1"])
 
 
+def test_a_section_check_failing_after_an_override_names_the_override(tmp_path):
+    # buffer's own check (max_reuse needs sampling: replay) fails at the section, not a key:
+    # the file's line for `buffer:` alone would point away from the override that broke it
+    path = write(tmp_path, MINIMAL + "buffer:\n  capacity: 64\n")
+    overrides = ["buffer.max_reuse=3", "rollout.temperature=0.5"]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    line = next(x for x in str(err.value).splitlines() if "max_reuse=3 only applies" in x)
+    # the section's line, then the override inside it; not the one in another section
+    assert line.startswith(f"  {path}:3, override 'buffer.max_reuse=3': buffer: ")
+    assert "rollout" not in line
+
+
+def test_a_section_check_failing_in_the_file_names_only_the_file(tmp_path):
+    path = write(tmp_path, MINIMAL + "buffer:\n  max_reuse: 3\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["rollout.temperature=0.5"])
+    assert f"  {path}:3: buffer: buffer.max_reuse=3 only applies" in str(err.value)
+
+
 def test_literal_error_lists_choices():
     with pytest.raises(ConfigError, match=r"sync.mode: Input should be 'lockstep' or 'async'"):
         parse_config(MINIMAL, ["sync.mode=sometimes"])
