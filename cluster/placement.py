@@ -104,9 +104,10 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail at once, naming the address, when nothing accepts a TCP connection at the
-    HOST:PORT of `address`: ray.init retries such an address for minutes (here, with nothing
-    on a loopback port, still retrying after 6 min). 'auto' and anything without a port are
-    left to ray.init."""
+    HOST:PORT of `address`, or what does answers in another protocol than gRPC (a Redis, the
+    dashboard): ray.init retries such an address for minutes (here, with nothing on a
+    loopback port, still retrying after 6 min). 'auto' and anything without a port are left
+    to ray.init, and so is a server that says nothing within 2 s."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit() or not host:
         return
@@ -117,10 +118,20 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     why = ""
     for candidate in hosts:
         try:
-            socket.create_connection((candidate, int(port)), timeout=timeout_s).close()
-            return
+            sock = socket.create_connection((candidate, int(port)), timeout=timeout_s)
         except OSError as exc:
             why = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+            continue
+        with sock:
+            other = _other_protocol(sock)
+        if other is None:
+            return
+        raise ClusterUnreachable(
+            f"cannot join the Ray cluster at --address {address}: {candidate}:{port} answers, "
+            f"but not as Ray: {other}. Give the head's GCS port (`ray start --head` prints it; "
+            "6379 by default) or ray://HOST:10001 for Ray Client; the dashboard's port (8265) "
+            "is for `ray job submit`, not --address"
+        )
     raise ClusterUnreachable(
         f"cannot join the Ray cluster at --address {address}: nothing accepts "
         f"connections at {host}:{port} ({why}). Check the host and port (the head's GCS "
@@ -128,6 +139,41 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         "(ray start --head), or use auto on a node of the cluster; without --address "
         "staleflow starts a Ray of its own"
     )
+
+
+# The client's connection preface of HTTP/2 (RFC 9113 3.4), then an empty SETTINGS frame. Ray's
+# GCS and Ray Client are gRPC servers: they answer with a SETTINGS frame of their own.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _other_protocol(sock: socket.socket, timeout_s: float = 2.0) -> str | None:
+    """What answers on `sock`, if it plainly is not a gRPC server such as Ray's GCS: its
+    reply's first line, and a guess at what it is (ray.init tries such an address for
+    minutes). None if it answers in HTTP/2, or cannot be told: no reply in time, the
+    connection closed, or a TLS alert (Ray's gRPC may use TLS)."""
+    reply = b""
+    try:
+        sock.settimeout(timeout_s)
+        sock.sendall(_H2_PREFACE)
+        while len(reply) < 9:
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            reply += chunk
+    except OSError:
+        pass
+    if len(reply) < 9 or reply[0] == 0x15:  # too little to tell, or a TLS alert record
+        return None
+    if reply[3] == 0x04 and reply[5:9] == bytes(4):  # an HTTP/2 SETTINGS frame on stream 0
+        return None
+    first = reply.splitlines()[0][:60].decode("ascii", "replace")
+    if reply.startswith(b"HTTP/") or reply[:9].lower() in (b"<!doctype", b"<html>\n"):
+        kind = "an HTTP/1 server (Ray's dashboard, on 8265, is one)"
+    elif reply[:1] in (b"-", b"+"):
+        kind = "a Redis server"
+    else:
+        kind = "not an HTTP/2 server"
+    return f"its reply begins {first!r}, {kind}"
 
 
 def _shm_free() -> int:

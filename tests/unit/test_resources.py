@@ -296,3 +296,72 @@ def test_an_address_where_nothing_listens_is_refused_before_ray_init(monkeypatch
     with socket.create_server(("127.0.0.1", 0)) as listening:
         start_ray(f"{scheme}127.0.0.1:{listening.getsockname()[1]}")
     assert len(called) == 1
+
+
+def _serve_once(reply: bytes) -> tuple[socket.socket, list[bytes]]:
+    """A listening socket whose first connection gets `reply` after the client's first
+    bytes arrive (what it received is recorded)."""
+    import threading
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+
+    def answer() -> None:
+        conn, _ = listening.accept()
+        with conn:
+            received.append(conn.recv(64))
+            conn.sendall(reply)
+            conn.recv(64)  # until the client closes
+
+    threading.Thread(target=answer, daemon=True).start()
+    return listening, received
+
+
+@pytest.mark.parametrize(
+    ("reply", "kind"),
+    [(b"HTTP/1.0 400 Bad Request\r\nServer: Python\r\n\r\n", "an HTTP/1 server"),
+     (b"-ERR unknown command 'PRI', with args beginning with: '*'\r\n", "a Redis server"),
+     (b"<!DOCTYPE HTML>\n<html lang=en>\n", "an HTTP/1 server"),  # Python's http.server
+     (b"SSH-2.0-OpenSSH_9.2\r\n", "not an HTTP/2 server")],
+)  # fmt: skip
+def test_an_address_that_answers_in_another_protocol_is_refused_before_ray_init(
+    monkeypatch, reply, kind
+):
+    # e.g. the dashboard's port, or a Redis: ray.init would try it for minutes. The driver
+    # opens HTTP/2 as gRPC does; a reply that is not HTTP/2 is refused at once, quoted
+    import ray
+
+    from staleflow.cluster.failures import ClusterUnreachable
+    from staleflow.cluster.placement import start_ray
+
+    called = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: called.append(kwargs))
+    listening, received = _serve_once(reply)
+    with listening:
+        port = listening.getsockname()[1]
+        with pytest.raises(ClusterUnreachable) as raised:
+            start_ray(f"127.0.0.1:{port}")
+    assert called == []
+    assert received[0].startswith(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+    message = str(raised.value)
+    first = reply.splitlines()[0].decode()
+    assert f"127.0.0.1:{port} answers, but not as Ray: its reply begins {first!r}" in message
+    assert kind in message
+    assert "6379 by default" in message
+
+
+def test_an_address_that_answers_in_http2_goes_on_to_ray_init(monkeypatch):
+    # A gRPC server's first frame: SETTINGS (type 4) on stream 0, here with one setting
+    import ray
+
+    from staleflow.cluster.placement import start_ray
+
+    called = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: called.append(kwargs))
+    settings = bytes([0, 0, 6, 4, 0, 0, 0, 0, 0]) + bytes([0, 3, 0, 0, 0, 100])
+    listening, _ = _serve_once(settings)
+    with listening:
+        start_ray(f"127.0.0.1:{listening.getsockname()[1]}")
+    assert len(called) == 1
