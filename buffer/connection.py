@@ -79,14 +79,15 @@ def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> re
     retry = _RetryUnlessRefused(
         ExponentialBackoff(cap=2.0, base=0.05), retries, tls_target=tls_target
     )
-    return redis.Redis.from_url(
+    tcp: dict[str, Any] = {} if url.startswith("unix://") else {"socket_keepalive": True}
+    return redis.Redis.from_url(  # (a unix socket's connection takes no keepalive option)
         url,
         retry=retry,
         retry_on_error=[redis.ConnectionError, redis.TimeoutError, socket.timeout],
         socket_timeout=socket_timeout_s,
         socket_connect_timeout=5.0,
-        socket_keepalive=True,
         health_check_interval=30,
+        **tcp,
     )
 
 

@@ -151,3 +151,31 @@ def test_push_take_and_ack_over_tls(tls_url):
     assert buffer.ack(second.receipts) == 3
     stats = buffer.stats()
     assert (stats.pushed, stats.acked, stats.length) == (6, 6, 0)
+
+
+def test_push_take_and_ack_over_a_unix_socket(tmp_path: Path):
+    # unix:// URLs are accepted: the same one-sendmsg writes on an AF_UNIX socket
+    path = tmp_path / "redis.sock"
+    server = subprocess.Popen(
+        [find_redis_server(), "--port", "0", "--unixsocket", str(path), "--save", "",
+         "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while not path.exists():
+            assert server.poll() is None, "redis-server did not start"
+            assert time.monotonic() < deadline, "redis-server made no socket in 15 s"
+            time.sleep(0.05)
+        groups = synthetic_groups(4, k=4, tokens=2048, seed=6)
+        buffer = ReplayBuffer(f"unix://{path}", "run")
+        assert buffer.push_many(groups[:3]) == [True] * 3
+        assert buffer.push(groups[3]) is True
+        assert buffer._producer._lane._conn._sock.family == socket.AF_UNIX
+        taken = buffer.take(4, learner_version=3)
+        assert taken.groups == groups
+        assert buffer.ack(taken.receipts) == 4
+        assert buffer.stats().length == 0
+    finally:
+        server.terminate()
+        server.wait(10)
