@@ -125,7 +125,7 @@ def tls_url(tmp_path: Path):
             except OSError as exc:
                 if server.poll() is not None:
                     output = server.stdout.read().decode() if server.stdout else ""
-                    if "TLS" in output and "not" in output.lower():
+                    if "tls" in output.lower():  # built without TLS: its directives refused
                         pytest.skip(f"this redis-server has no TLS: {output[-300:]}")
                     raise AssertionError(f"redis-server with TLS did not start: {output}") from exc
                 if time.monotonic() > deadline:
