@@ -115,8 +115,8 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     hosts = [host]
     if host in ("127.0.0.1", "localhost", "::1"):  # ray.init joins this node's address instead
         hosts.append(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-    why = ""
-    for candidate in hosts:
+    why, others = "", []
+    for candidate in hosts:  # any one answering as gRPC (or not telling) will do
         try:
             sock = socket.create_connection((candidate, int(port)), timeout=timeout_s)
         except OSError as exc:
@@ -126,11 +126,13 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
             other = _other_protocol(sock)
         if other is None:
             return
+        others.append(f"{candidate}:{port} answers, but not as Ray: {other}")
+    if others:
         raise ClusterUnreachable(
-            f"cannot join the Ray cluster at --address {address}: {candidate}:{port} answers, "
-            f"but not as Ray: {other}. Give the head's GCS port (`ray start --head` prints it; "
-            "6379 by default) or ray://HOST:10001 for Ray Client; the dashboard's port (8265) "
-            "is for `ray job submit`, not --address"
+            f"cannot join the Ray cluster at --address {address}: {'; '.join(others)}. Give "
+            "the head's GCS port (`ray start --head` prints it; 6379 by default) or "
+            "ray://HOST:10001 for Ray Client; the dashboard's port (8265) is for `ray job "
+            "submit`, not --address"
         )
     raise ClusterUnreachable(
         f"cannot join the Ray cluster at --address {address}: nothing accepts "

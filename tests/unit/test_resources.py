@@ -298,12 +298,14 @@ def test_an_address_where_nothing_listens_is_refused_before_ray_init(monkeypatch
     assert len(called) == 1
 
 
-def _serve_once(reply: bytes) -> tuple[socket.socket, list[bytes]]:
+def _serve_once(
+    reply: bytes, host: str = "127.0.0.1", port: int = 0
+) -> tuple[socket.socket, list[bytes]]:
     """A listening socket whose first connection gets `reply` after the client's first
     bytes arrive (what it received is recorded)."""
     import threading
 
-    listening = socket.create_server(("127.0.0.1", 0))
+    listening = socket.create_server((host, port))
     received: list[bytes] = []
 
     def answer() -> None:
@@ -364,4 +366,26 @@ def test_an_address_that_answers_in_http2_goes_on_to_ray_init(monkeypatch):
     listening, _ = _serve_once(settings)
     with listening:
         start_ray(f"127.0.0.1:{listening.getsockname()[1]}")
+    assert len(called) == 1
+
+
+def test_a_loopback_address_passes_if_this_nodes_address_answers_as_ray(monkeypatch):
+    # ray.init joins this node's address for 127.0.0.1: a Redis on 127.0.0.1 and Ray's GCS on
+    # the node's address, both on one port, must not be refused
+    import ray
+
+    from staleflow.cluster.placement import start_ray
+
+    node = ray.util.get_node_ip_address()
+    if node.startswith("127."):
+        pytest.skip("this machine's node address is a loopback one")
+    called = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: called.append(kwargs))
+    settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+    gcs, _ = _serve_once(settings, host=node)
+    port = gcs.getsockname()[1]
+    redis_like, _ = _serve_once(b"-ERR unknown command 'PRI'\r\n", port=port)
+    with gcs, redis_like:
+        start_ray(f"127.0.0.1:{port}")
     assert len(called) == 1
