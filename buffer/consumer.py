@@ -25,6 +25,7 @@ from staleflow.buffer.entries import (
     Receipt,
     RunKeys,
     Taken,
+    Tokens,
     id_key,
     now_ms,
     parse_fields,
@@ -69,6 +70,7 @@ class Consumer:
         self._lane = Pinned(client)  # the read-ahead's connection (InFlight)
         self._ack_lane = Pinned(client)  # the ack's: the read-ahead's may be in flight
         self._ack_keys = [*keys.entry, keys.trained_by_version]
+        self._ack_tokens = Tokens()  # an ack's token names its status key (scripts.ACK)
         self._ack = client.register_script(scripts.ACK)
         self._drop = client.register_script(scripts.DROP)
         self._replay_take = client.register_script(scripts.REPLAY_TAKE)
@@ -181,28 +183,31 @@ class Consumer:
         """scripts.ACK by EVALSHA in one write on the ack's pinned connection (InFlight),
         without redis-py's per-call work or a pooled connection: 124-139 us per 8 acked,
         against 155-181 us by the registered script's call (side by side, a take-then-ack
-        loop of 66 KB groups on the 2-core machine). Acking is idempotent, so a
-        reply lost with its connection is sent again, once the client's retries reach the
-        server; a server that lost its scripts (NOSCRIPT, nothing ran) gets the body."""
-        keys = self._ack_keys
-        by_sha = ("EVALSHA", self._ack.sha, len(keys), *keys, *args)
-        command: tuple[Any, ...] = by_sha
-        for _ in range(_LOST_REPLIES + 1):
+        loop of 66 KB groups on the 2-core machine). An ack whose reply is lost with its
+        connection is sent again, once the client's retries reach the server, and returns
+        what the first one did (its status key); a server that lost its scripts (NOSCRIPT:
+        nothing ran) gets the body."""
+        keys = self._ack_keys_for(args)
+        command: tuple[Any, ...] = ("EVALSHA", self._ack.sha, len(keys), *keys, *args)
+        lost = 0
+        while True:
             replies = InFlight.send(self._ack_lane, [command]).replies()
             if replies is None:
+                lost += 1
+                if lost > _LOST_REPLIES:
+                    raise redis.ConnectionError(
+                        f"the connection dropped during each of {lost} attempts of an ack "
+                        f"of {(len(args) - 4) // 3} groups"
+                    )
                 self.client.ping()  # waits for the server with the client's retries, or raises
                 continue
             (reply,) = replies
-            if isinstance(reply, redis.exceptions.NoScriptError) and command is by_sha:
+            if isinstance(reply, redis.exceptions.NoScriptError) and command[0] == "EVALSHA":
                 command = ("EVAL", *self._ack_eval(args))
                 continue
             if isinstance(reply, Exception):
                 raise reply
             return reply
-        raise redis.ConnectionError(
-            f"the connection dropped during each of {_LOST_REPLIES + 1} attempts of an ack of "
-            f"{(len(args) - 3) // 3} groups"
-        )
 
     @translate_errors
     def hold(self, n: int) -> None:
@@ -229,22 +234,29 @@ class Consumer:
         self._group_ready = False
 
     def _ack_args(self, receipts: Iterable[Receipt], held: bool) -> list[Any] | None:
-        """scripts.ACK's ARGV for these receipts, or None if there are none."""
+        """scripts.ACK's ARGV for these receipts (a new token each call), or None if there
+        are none."""
         args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
+        args.append(next(self._ack_tokens))
         for r in receipts:
             args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
-        return args if len(args) > 3 else None
+        return args if len(args) > 4 else None
+
+    def _ack_keys_for(self, args: list[Any]) -> list[str]:
+        """scripts.ACK's KEYS for `args` (from `_ack_args`): the status key is the token's."""
+        return [*self._ack_keys, self.keys.ack_status(args[3])]
 
     def _ack_eval(self, args: list[Any]) -> tuple[Any, ...]:
         """EVAL's arguments for scripts.ACK, sent along with a read (by `_refill`'s
         pipeline or `_send_ahead`) or after a NOSCRIPT. EVAL, not the registered script: a
         pipeline would first check that the script exists, and a NOSCRIPT to a command sent
         ahead could not be answered."""
-        return (scripts.ACK, len(self._ack_keys), *self._ack_keys, *args)
+        keys = self._ack_keys_for(args)
+        return (scripts.ACK, len(keys), *keys, *args)
 
     def _acked(self, args: list[Any], result: Any) -> int:
         """After scripts.ACK ran: its receipts are no longer held here; how many it acked."""
-        for i in range(3, len(args), 3):
+        for i in range(4, len(args), 3):
             self._held.discard(args[i])
         return int(result)
 
@@ -367,7 +379,7 @@ class Consumer:
             raise
         if replies is None:
             self._lost_read = self._lost_read or read_sent
-            return self._ack(keys=self._ack_keys, args=ack_args) if ack_args else None
+            return self._run_ack(ack_args) if ack_args else None
         ack_result = replies.pop(0) if ack_args else None
         if replies:
             self._pool_read(replies[0])  # before raising an ack error: nothing read is lost

@@ -4,7 +4,10 @@ learner side)."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +21,7 @@ __all__ = [
     "Receipt",
     "RunKeys",
     "Taken",
+    "Tokens",
     "id_key",
     "int_map",
     "nbytes",
@@ -52,6 +56,27 @@ class RunKeys:
 
     def push_status(self, token: str) -> str:
         return self.prefix + "push:" + token
+
+    def ack_status(self, token: str) -> str:
+        return self.prefix + "ack:" + token
+
+
+class Tokens:
+    """Names for single calls (a push, an ack) that make a retried call recognisable: a
+    random prefix per process, made again in a forked child (which would otherwise repeat
+    its parent's names), and a counter. `next(tokens)`."""
+
+    def __init__(self) -> None:
+        self._renew()
+
+    def _renew(self) -> None:
+        self._prefix, self._count = uuid.uuid4().hex, itertools.count()
+        self._pid = os.getpid()
+
+    def __next__(self) -> str:
+        if self._pid != os.getpid():
+            self._renew()
+        return f"{self._prefix}:{next(self._count)}"
 
 
 class BufferFullError(TimeoutError):

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import itertools
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +12,7 @@ import redis
 from staleflow.buffer import scripts
 from staleflow.buffer.codec import encode_fields
 from staleflow.buffer.connection import Pinned, translate_errors
-from staleflow.buffer.entries import BufferFullError, Fields, RunKeys, nbytes
+from staleflow.buffer.entries import BufferFullError, Fields, RunKeys, Tokens, nbytes
 from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.records import Group
 
@@ -48,9 +46,7 @@ class Producer:
         self.dedup_ttl_s = dedup_ttl_s
         self._fits = client.register_script(scripts.FITS)
         self._lane = Pinned(tx_client)
-        # A push's token names it in Redis (its status key, the dedup keys of its groups):
-        # unique per producer by a random prefix, per push by a counter.
-        self._tokens = map(f"t:{uuid.uuid4().hex}:{{}}".format, itertools.count())
+        self._tokens = Tokens()  # a push's token names it: its status key, its dedup keys
 
     def push(self, group: Group) -> bool:
         """Append one group; True if added, False if this group id was already pushed.
@@ -76,7 +72,7 @@ class Producer:
             )
         entries = [encode_fields(g) for g in groups]
         dedup_keys = [self.keys.dedup(g.group_id) for g in groups]
-        token = next(self._tokens)
+        token = "t:" + next(self._tokens)
         deadline = time.monotonic() + self.push_timeout_s
         delay, lost = 0.005, 0
         while True:

@@ -216,9 +216,9 @@ class ReplayBuffer:
         `ack`: receipts of groups whose step is committed, acked exactly as `ack` would, in
         the same round trip as this take's read (with read-ahead, the read of the next
         take's entries: a consumer that takes right after acking saves the ack's round
-        trip); `Taken.acked` says how many of them were pending (fewer if the connection
-        dropped and the ack was sent again after it had landed: acking is idempotent, the
-        count is not)."""
+        trip); `Taken.acked` says how many of them were pending when the ack ran (an ack
+        sent again after a dropped connection returns the first one's count: each ack
+        records it under its own key for 10 minutes)."""
         return self._consumer.take(n, learner_version, timeout_s, ack)
 
     def ack(self, receipts: Iterable[Receipt], held: bool = False) -> int:

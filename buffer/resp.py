@@ -76,8 +76,10 @@ def pack(commands: Iterable[Sequence[Any]]) -> list[bytes | bytearray | memoryvi
 def send(conn: Any, buffers: list[bytes | bytearray | memoryview]) -> None:
     """Write `buffers` (from `pack`) on a redis-py connection, connecting it if needed, with
     one `sendmsg` (per 1024 buffers; again for what a short write left). Raises OSError
-    (socket.timeout included) as the socket does: the caller disconnects the connection, as
-    the command may have been sent in part."""
+    (socket.timeout included) as the socket does, or redis-py's errors from connecting or
+    its health check: the caller disconnects the connection, as the command may have been
+    sent in part. Strings go as UTF-8, as with redis-py's default encoding (the buffer's
+    clients all use it)."""
     if conn._sock is None:  # redis-py's Connection is untyped; _sock is None until connected
         conn.connect()
     conn.check_health()  # redis-py's periodic PING (health_check_interval), as its sends do

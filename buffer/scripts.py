@@ -105,15 +105,21 @@ local function release(id, is_replay)
 end
 """
 
-# KEYS: stream, stats, uses, replay zset, replay-pending hash, trained-by-version.
-# ARGV: group name, max_reuse, held ('1': these were counted in 'held', which drops by the
-# number acked), then (entry id, version, is_replay) triples.
-# Only an ack of something actually pending counts, so acking twice is harmless.
+# KEYS: stream, stats, uses, replay zset, replay-pending hash, trained-by-version, this ack's
+# status key.  ARGV: group name, max_reuse, held ('1': these were counted in 'held', which
+# drops by the number acked), the ack's token (named in its status key), then (entry id,
+# version, is_replay) triples.
+# Only an ack of something actually pending counts, so acking twice is harmless. An ack that
+# ran records its count under its own key: sent again (its reply was lost), it returns that
+# count and changes nothing. (Without it a resent ack would find nothing pending and say 0,
+# or, with replay sampling, release an entry taken again meanwhile as a replay.)
 ACK = (
     _RELEASE
     + """
+local done = redis.call('GET', KEYS[7])
+if done then return tonumber(done) end
 local acked = 0
-for i = 4, #ARGV, 3 do
+for i = 5, #ARGV, 3 do
   local id, v, rep = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if release(id, rep) == 1 then
     acked = acked + 1
@@ -134,6 +140,7 @@ if ARGV[3] == '1' and acked > 0 then
   local held = redis.call('HINCRBY', KEYS[2], 'held', -acked)
   if held < 0 then redis.call('HSET', KEYS[2], 'held', 0) end
 end
+redis.call('SET', KEYS[7], acked, 'EX', 600)
 return acked
 """
 )

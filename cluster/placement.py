@@ -115,6 +115,7 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     hosts = [host]
     if host in ("127.0.0.1", "localhost", "::1"):  # ray.init joins this node's address instead
         hosts.append(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    hosts = list(dict.fromkeys(hosts))  # the node's address may be the loopback one
     why, others = "", []
     for candidate in hosts:  # any one answering as gRPC (or not telling) will do
         try:
@@ -169,7 +170,7 @@ def _other_protocol(sock: socket.socket, timeout_s: float = 2.0) -> str | None:
     if reply[3] == 0x04 and reply[5:9] == bytes(4):  # an HTTP/2 SETTINGS frame on stream 0
         return None
     first = reply.splitlines()[0][:60].decode("ascii", "replace")
-    if reply.startswith(b"HTTP/") or reply[:9].lower() in (b"<!doctype", b"<html>\n"):
+    if reply.startswith(b"HTTP/") or reply[:9].lower().startswith((b"<!doctype", b"<html")):
         kind = "an HTTP/1 server (Ray's dashboard, on 8265, is one)"
     elif reply[:1] in (b"-", b"+"):
         kind = "a Redis server"
