@@ -34,4 +34,9 @@ def test_the_buffer_bench_prints_its_ratios_and_the_push_breakdown():
         "encode_fields alone", "encode_fields, then Producer._add", "ReplayBuffer.push",
     ]  # fmt: skip
     assert all(float(v) > 0 for v in rows.values())
+    bound = re.search(r"transaction alone, on groups encoded beforehand / raw XADD: ([\d.]+)x", out)
+    assert bound is not None
+    assert float(bound[1]) == pytest.approx(
+        float(rows["raw XADD"]) / float(rows["admit script instead (Producer._add)"]), abs=0.011
+    )
     assert re.search(r"admit script [\d.]+ per push, ack script [\d.]+ per 4 acked", out)
