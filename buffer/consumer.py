@@ -31,13 +31,11 @@ from staleflow.buffer.entries import (
     parse_fields,
     text,
 )
-from staleflow.buffer.inflight import InFlight
+from staleflow.buffer.inflight import InFlight, after_lost_reply
 from staleflow.buffer.records import Group
 from staleflow.buffer.staleness import trainable
 
 __all__ = ["Consumer", "Sampling"]
-
-_LOST_REPLIES = 5  # an ack whose connection drops this often in a row fails
 
 Sampling = Literal["fifo", "freshest", "replay"]
 # A taken entry: (entry id, policy version, its fields, handed out as a replay)
@@ -193,13 +191,9 @@ class Consumer:
         while True:
             replies = InFlight.send(self._ack_lane, [command]).replies()
             if replies is None:
-                lost += 1
-                if lost > _LOST_REPLIES:
-                    raise redis.ConnectionError(
-                        f"the connection dropped during each of {lost} attempts of an ack "
-                        f"of {(len(args) - 4) // 3} groups"
-                    )
-                self.client.ping()  # waits for the server with the client's retries, or raises
+                lost = after_lost_reply(
+                    lost, self.client, f"an ack of {(len(args) - 4) // 3} groups"
+                )
                 continue
             (reply,) = replies
             if isinstance(reply, redis.exceptions.NoScriptError) and command[0] == "EVALSHA":

@@ -22,9 +22,24 @@ import redis
 from staleflow.buffer import resp
 from staleflow.buffer.connection import Pinned
 
-__all__ = ["InFlight"]
+__all__ = ["LOST_REPLIES", "InFlight", "after_lost_reply"]
 
 _LOST = (redis.ConnectionError, redis.TimeoutError, OSError)
+LOST_REPLIES = 5  # a call whose connection drops this often in a row fails
+
+
+def after_lost_reply(lost: int, client: redis.Redis, what: str) -> int:
+    """One more attempt of `what` (a push, an ack: safe to send again) lost its connection
+    before its replies: past LOST_REPLIES in a row, raise (the server answers pings but drops
+    this call); otherwise wait for the server with the client's retries, or raise. Returns
+    the count of attempts lost in a row."""
+    lost += 1
+    if lost > LOST_REPLIES:
+        raise redis.ConnectionError(
+            f"the connection dropped during each of {lost} attempts of {what}"
+        )
+    client.ping()
+    return lost
 
 
 class InFlight:

@@ -13,13 +13,12 @@ from staleflow.buffer import scripts
 from staleflow.buffer.codec import encode_fields
 from staleflow.buffer.connection import Pinned, translate_errors
 from staleflow.buffer.entries import BufferFullError, Fields, RunKeys, Tokens, nbytes
-from staleflow.buffer.inflight import InFlight
+from staleflow.buffer.inflight import InFlight, after_lost_reply
 from staleflow.buffer.records import Group
 
 __all__ = ["Producer"]
 
 _FULL = -2  # scripts.ADMIT: the new groups do not fit
-_LOST_REPLIES = 5  # a push whose connection drops this often in a row fails
 _STATUS_TTL_S = 600  # how long a push's statuses are kept for a retry (far above its retries)
 
 
@@ -78,14 +77,12 @@ class Producer:
         while True:
             status = self._add(groups, entries, dedup_keys, token)
             if status is None:  # the reply was lost: the push's status key tells if it ran
-                lost += 1
-                if lost > _LOST_REPLIES:  # the server answers pings but drops this push
-                    raise redis.ConnectionError(
-                        f"the connection dropped during each of {lost} attempts of a push of "
-                        f"{len(groups)} groups ({sum(map(nbytes, entries)) >> 20} MB); a "
-                        "push too large for the server's client-query-buffer-limit does this"
-                    )
-                self.client.ping()  # wait for the server with the client's retries, or raise
+                lost = after_lost_reply(
+                    lost,
+                    self.client,
+                    f"a push of {len(groups)} groups ({sum(map(nbytes, entries)) >> 20} MB); a "
+                    "push too large for the server's client-query-buffer-limit does this",
+                )
                 continue
             lost = 0
             if status[0] != _FULL:
