@@ -21,8 +21,10 @@ thread). Then where a push's time goes, per call, side by side: raw XADD; the sa
 a MULTI/EXEC with an empty EVAL; with the admit script instead (the push's transaction on
 encoded groups, Producer._add); encoding alone; encoding, then that transaction; the whole
 push; and the transaction alone against raw XADD, the bound on the push's ratio before any
-encoding. Last, the server's own time per call (INFO commandstats): the admit script per push,
-the ack script per ack of `batch`, and an empty EVAL.
+encoding. Also the take-then-ack loops' time per batch, split into the take (or XREADGROUP)
+and the ack (or XACK). Last, the server's own time per call (INFO commandstats): the admit
+script per push, the ack script per ack of `batch`, an empty EVAL, and XREADGROUP of `batch`
+(both sides; raw's XACK too).
 """
 
 from __future__ import annotations
@@ -72,12 +74,18 @@ def raw_push(client: redis.Redis, key: str, entries: list[dict], batch: int) -> 
     return len(entries)
 
 
-def raw_take_ack(client: redis.Redis, key: str, batch: int, delete: bool = False) -> int:
+def raw_take_ack(
+    client: redis.Redis, key: str, batch: int, delete: bool = False, split: dict | None = None
+) -> int:
     """XREADGROUP + XACK; with `delete`, XACK + XDEL pipelined (one round trip), as a
-    bounded buffer must free what it trained on."""
-    done = 0
+    bounded buffer must free what it trained on. With `split`, the seconds spent reading
+    and acking are added to its "take" and "ack"."""
+    done, split = 0, split if split is not None else {}
     while True:
+        start = time.perf_counter()
         reply = client.xreadgroup("learner", "raw", {key: ">"}, count=batch)
+        read = time.perf_counter()
+        split["take"] = split.get("take", 0.0) + read - start
         if not reply:
             return done
         ids = [entry_id for entry_id, _ in reply[0][1]]
@@ -88,6 +96,7 @@ def raw_take_ack(client: redis.Redis, key: str, batch: int, delete: bool = False
             pipe.execute()
         else:
             client.xack(key, "learner", *ids)
+        split["ack"] = split.get("ack", 0.0) + time.perf_counter() - read
         done += len(ids)
 
 
@@ -111,13 +120,18 @@ def buffer_push(buffer: ReplayBuffer, groups: list[Group], batch: int) -> int:
     return len(groups)
 
 
-def buffer_take_ack(buffer: ReplayBuffer, batch: int) -> int:
-    done = 0
+def buffer_take_ack(buffer: ReplayBuffer, batch: int, split: dict | None = None) -> int:
+    """take + ack; with `split`, as raw_take_ack."""
+    done, split = 0, split if split is not None else {}
     while True:
+        start = time.perf_counter()
         taken = buffer.take(batch, learner_version=10)
+        took = time.perf_counter()
+        split["take"] = split.get("take", 0.0) + took - start
         if not taken.groups:
             return done
         buffer.ack(taken.receipts)
+        split["ack"] = split.get("ack", 0.0) + time.perf_counter() - took
         done += len(taken.groups)
 
 
@@ -152,16 +166,26 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
     client = connect(url)
     rates: dict[str, list[float]] = {}
 
+    per_batch: dict[str, list[float]] = {}  # the take-then-ack loops' parts, us per batch
+
     def measure(name: str, fn: Callable[[], int]) -> None:
         seconds, count = timed(fn)
         assert count == n_groups, f"{name}: {count} of {n_groups}"
         rates.setdefault(name, []).append(count / seconds)
 
+    def measure_split(name: str, fn: Callable[[dict], int]) -> None:
+        split: dict[str, float] = {}
+        measure(name, lambda: fn(split))
+        for part, seconds in split.items():
+            per_batch.setdefault(f"{name} {part}", []).append(seconds / n_groups * batch * 1e6)
+
     def raw_side(r: int) -> None:
         measure("raw_push_1", lambda: raw_push(client, f"raw1:{r}", entries, 1))
         measure("raw_push_b", lambda: raw_push(client, f"rawb:{r}", entries, batch))
         client.xgroup_create(f"rawb:{r}", "learner", id="0")
-        measure("raw_take", lambda: raw_take_ack(client, f"rawb:{r}", batch))
+        measure_split(
+            "raw_take", lambda split: raw_take_ack(client, f"rawb:{r}", batch, split=split)
+        )
         raw_push(client, f"rawd:{r}", entries, batch)
         client.xgroup_create(f"rawd:{r}", "learner", id="0")
         measure("raw_take_del", lambda: raw_take_ack(client, f"rawd:{r}", batch, delete=True))
@@ -183,7 +207,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
             measure("sf_push_pooled", lambda: buffer_push(pooled, groups, 1))
             lane.release(pinned)
             measure("sf_push_b", lambda: buffer_push(many, groups, batch))
-            measure("sf_take", lambda: buffer_take_ack(many, batch))
+            measure_split("sf_take", lambda split: buffer_take_ack(many, batch, split))
             buffer_push(piped, groups, batch)
             measure("sf_take_piped", lambda: buffer_take_ack_pipelined(piped, batch))
             buffer_push(serial, groups, batch)
@@ -222,12 +246,17 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         print(f"ratio {label} staleflow/raw: {med[ours] / med[raw]:.2f}x (target >= 0.8x)")
     print(f"  (context: take+ack vs raw that also deletes what it acked, XDEL pipelined: "
           f"{med['sf_take'] / med['raw_take_del']:.2f}x)")  # fmt: skip
+    b = {k: statistics.median(v) for k, v in per_batch.items()}
+    print(f"take-then-ack loop, us per batch of {batch}: staleflow take {b['sf_take take']:.0f}, "
+          f"ack {b['sf_take ack']:.0f}; raw XREADGROUP {b['raw_take take']:.0f}, "
+          f"XACK {b['raw_take ack']:.0f}")  # fmt: skip
     print(f"push on its pinned connection / through the pool: "
           f"{med['sf_push_1'] / med['sf_push_pooled']:.2f}x")  # fmt: skip
     push_breakdown(url, client, groups, rounds)
     print(
         "server time per call (us): admit script {admit:.1f} per push, ack script {ack:.1f} "
-        "per {batch} acked, an empty EVAL {empty:.1f}".format(batch=batch, **server)
+        "per {batch} acked, an empty EVAL {empty:.1f}; XREADGROUP of {batch} {read:.1f} "
+        "(raw: {raw_read:.1f}, and XACK of {batch} {raw_ack:.1f})".format(batch=batch, **server)
     )
 
 
@@ -303,12 +332,21 @@ def server_costs(url: str, client: redis.Redis, groups: list[Group], batch: int)
     stats = client.info("commandstats")
     admit = stats["cmdstat_eval"]["usec_per_call"]
     ack = stats["cmdstat_evalsha"]["usec_per_call"]
+    read = stats["cmdstat_xreadgroup"]["usec_per_call"]
+    raw_push(client, "server-costs-raw", raw_entries(groups), batch)
+    client.xgroup_create("server-costs-raw", "learner", id="0")
+    client.config_resetstat()
+    raw_take_ack(client, "server-costs-raw", batch)
+    stats = client.info("commandstats")
+    raw_read = stats["cmdstat_xreadgroup"]["usec_per_call"]
+    raw_ack = stats["cmdstat_xack"]["usec_per_call"]
     client.config_resetstat()
     for _ in range(len(groups)):
         client.eval("return 1", 0)
     empty = client.info("commandstats")["cmdstat_eval"]["usec_per_call"]
     client.flushall()
-    return {"admit": admit, "ack": ack, "empty": empty}
+    return {"admit": admit, "ack": ack, "empty": empty, "read": read, "raw_read": raw_read,
+            "raw_ack": raw_ack}  # fmt: skip
 
 
 def main() -> int:

@@ -179,9 +179,9 @@ class Consumer:
 
     def _run_ack(self, args: list[Any]) -> Any:
         """scripts.ACK by EVALSHA in one write on the ack's pinned connection (InFlight),
-        without redis-py's per-call work or a pooled connection: 124-139 us per 8 acked,
-        against 155-181 us by the registered script's call (side by side, a take-then-ack
-        loop of 66 KB groups on the 2-core machine). An ack whose reply is lost with its
+        without redis-py's per-call work or a pooled connection: 1.71-1.74x a raw XACK of 8,
+        against 1.83-2.04x by the registered script's call (bench/buffer.py's take-then-ack
+        split, three runs side by side on the 2-core machine). An ack whose reply is lost with its
         connection is sent again, once the client's retries reach the server, and returns
         what the first one did (its status key); a server that lost its scripts (NOSCRIPT:
         nothing ran) gets the body."""

@@ -4,11 +4,11 @@ redis-py with hiredis copies every payload twice before sending (a memoryview in
 all arguments into one buffer), and without hiredis it sends a large argument with a write of
 its own. `pack` copies only the small parts; a large argument (a group's token ids and
 log-probs) stays where it is, and `send` hands the whole list to the kernel in one `sendmsg`.
-On the 2-core machine, three runs of bench/buffer.py each beside one of the version
-before: a push of one 66 KB group went from 0.66-0.68x a raw redis-py XADD to 0.67-0.72x, and
-push_many(8) from 0.75x to 0.77-0.81x. The same buffers written with one `sendall` each were
-slower than redis-py (0.57x, in a prototype): each write wakes the server, which then reads
-part of a command.
+On the 2-core machine, eight runs of bench/buffer.py each beside one of the version
+before: a push of one 66 KB group went from 0.65-0.68x a raw redis-py XADD to 0.67-0.72x, and
+push_many(8) from 0.73-0.77x to 0.77-0.81x. The same buffers written with one `sendall` each
+were slower than redis-py (0.57x, in a throwaway prototype): each write wakes the server,
+which then reads part of a command.
 
 A TLS socket cannot write a vector: there the parts are joined and written once.
 """

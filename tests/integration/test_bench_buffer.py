@@ -40,3 +40,11 @@ def test_the_buffer_bench_prints_its_ratios_and_the_push_breakdown():
         float(rows["raw XADD"]) / float(rows["admit script instead (Producer._add)"]), abs=0.011
     )
     assert re.search(r"admit script [\d.]+ per push, ack script [\d.]+ per 4 acked", out)
+    assert re.search(r"XREADGROUP of 4 [\d.]+ \(raw: [\d.]+, and XACK of 4 [\d.]+\)", out)
+    split = re.search(
+        r"take-then-ack loop, us per batch of 4: staleflow take (\d+), ack (\d+); "
+        r"raw XREADGROUP (\d+), XACK (\d+)",
+        out,
+    )
+    assert split is not None
+    assert all(int(x) > 0 for x in split.groups())
