@@ -179,6 +179,37 @@ def test_encode_refuses_wrong_dtypes_and_mismatched_lengths():
         encode(dataclasses.replace(group, behavior_logp=np.full(5, np.inf, dtype=LOGP_DTYPE)))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -2e19])
+def test_a_non_finite_log_prob_anywhere_is_refused(bad):
+    # The check is one BLAS dot product, which works on blocks of values: a bad value at
+    # every position, in arrays whose lengths leave every remainder of a block, is seen.
+    # (-2e19 is finite, but its square overflows float32: documented as refused.)
+    for total in (1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 65, 8191):
+        fields = {
+            k.encode(): bytes(v) for k, v in encode_fields(make_group(k=1, length=total)).items()
+        }
+        good = np.frombuffer(fields[b"logp"], LOGP_DTYPE)
+        assert decode_fields(fields).num_tokens == total
+        for i in sorted({0, total // 2, total - 2, total - 1} - {-1}):
+            logp = good.copy()
+            logp[i] = bad
+            with pytest.raises(RecordError, match="behavior_logp: log-probs must be finite"):
+                decode_fields({**fields, b"logp": logp.tobytes()})
+
+
+def test_decoding_bytes_or_str_field_names_gives_the_same_group():
+    group = make_group()
+    fields = encode_fields(group)
+    from_redis = decode_fields({k.encode(): bytes(v) for k, v in fields.items()})
+    from_str = decode_fields({k: bytes(v) for k, v in fields.items()})
+    assert from_redis == from_str == group
+    # built without the dataclass's __init__, but a Group all the same: frozen, replaceable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        from_redis.task = "other"  # type: ignore[misc]
+    assert dataclasses.replace(from_redis, task="other").task == "other"
+    assert pickle.loads(pickle.dumps(from_redis)) == group
+
+
 def test_oversized_record_is_refused_before_parsing(monkeypatch):
     monkeypatch.setitem(LIMITS, "record_bytes", 100)
     with pytest.raises(RecordError, match="bytes > limit 100"):
