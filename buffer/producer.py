@@ -19,7 +19,6 @@ from staleflow.buffer.records import Group
 __all__ = ["Producer"]
 
 _FULL = -2  # scripts.ADMIT: the new groups do not fit
-_STATUS_TTL_S = 600  # how long a push's statuses are kept for a retry (far above its retries)
 
 
 class Producer:
@@ -110,7 +109,7 @@ class Producer:
         Sent as one packed write on a pinned connection (InFlight) and read back reply by
         reply, without the Python work of redis-py's transaction pipeline or of taking a
         pooled connection per push (connection.Pinned)."""
-        args: list[Any] = [self.capacity, self.dedup_ttl_s, token, _STATUS_TTL_S]
+        args: list[Any] = [self.capacity, self.dedup_ttl_s, token, scripts.STATUS_TTL_S]
         commands: list[tuple[Any, ...]] = [("MULTI",)]
         for g, fields in zip(groups, entries, strict=True):
             flat = [x for kv in fields.items() for x in kv]

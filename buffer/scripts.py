@@ -7,6 +7,10 @@ inside a script), so the scripts also work where key access is checked.
 
 from __future__ import annotations
 
+STATUS_TTL_S = 600
+"""How long a push's statuses and an ack's count are kept for a resend after a lost reply
+(far above the few seconds of a client's retries)."""
+
 # Payloads never pass through Lua: moving a 66 KB argument through the script engine costs
 # ~4x a native XADD. A push is therefore one MULTI/EXEC (one round trip): the native XADDs of
 # its groups, then ADMIT (this script, small arguments), which keeps them only if they are new
@@ -160,7 +164,9 @@ if ARGV[3] == '1' and acked > 0 then
   local held = redis.call('HINCRBY', KEYS[2], 'held', -acked)
   if held < 0 then redis.call('HSET', KEYS[2], 'held', 0) end
 end
-redis.call('SET', KEYS[7], acked, 'EX', 600)
+redis.call('SET', KEYS[7], acked, 'EX', """
+    + str(STATUS_TTL_S)
+    + """)
 return acked
 """
 )

@@ -86,6 +86,22 @@ def _lose_replies(monkeypatch, times: int) -> list:
     return lost
 
 
+def test_push_and_ack_statuses_expire_after_the_same_time(redis_url):
+    # A push's statuses and an ack's count are kept STATUS_TTL_S for a resend, then expire:
+    # one constant for both scripts (the ack's used to be a literal of its own).
+    from staleflow.buffer.scripts import STATUS_TTL_S
+
+    with ReplayBuffer(redis_url, "run", read_ahead=False) as buffer:
+        buffer.push_many(synthetic_groups(2, k=2, tokens=8))
+        buffer.ack(buffer.take(2, learner_version=0).receipts)
+        ttls = {}
+        for kind in ("push", "ack"):
+            (key,) = buffer.client.keys(buffer.keys.prefix + kind + ":*")
+            ttls[kind] = buffer.client.ttl(key)
+        # TTL rounds down to whole seconds, and a second may pass between the two
+        assert all(STATUS_TTL_S - 2 <= t <= STATUS_TTL_S for t in ttls.values()), ttls
+
+
 def test_an_ack_whose_reply_was_lost_is_sent_again_and_applied_once(redis_url, monkeypatch):
     with ReplayBuffer(redis_url, "run", read_ahead=False) as buffer:
         buffer.push_many(synthetic_groups(3, k=2, tokens=8))
