@@ -208,8 +208,8 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
                 warmed(b)
             measure("sf_push_1", lambda: buffer_push(one, groups, 1))
             lane = pooled._producer._lane  # held here, so each push takes a pooled connection
-            lane.release(lane.acquire())  # (connected first, as the pinned one is by now)
             pinned = lane.acquire()
+            lane.release(lane.acquire())  # that pooled one, connected before timing
             measure("sf_push_pooled", lambda: buffer_push(pooled, groups, 1))
             lane.release(pinned)
             measure("sf_push_b", lambda: buffer_push(many, groups, batch))

@@ -305,8 +305,15 @@ def _check_arrays(arrays: dict[str, np.ndarray], total: int) -> None:
     # A sum of squares is NaN or inf when any term is (log-probs so large that the sum of
     # their squares overflows float32, 1.9e19 in magnitude or less, are rejected too: no
     # sampler produces them). The dot product is one vectorised BLAS call, 3x faster than sum().
-    if total and not math.isfinite(float(logp.dot(logp))):
-        raise RecordError("behavior_logp", "log-probs must be finite")
+    # An overflow also warns, or raises where warnings are errors or np.seterr(over="raise")
+    # is set: that too is a bad record, never an error from the decoder itself.
+    if total:
+        try:
+            finite = math.isfinite(float(logp.dot(logp)))
+        except (FloatingPointError, RuntimeWarning):
+            finite = False
+        if not finite:
+            raise RecordError("behavior_logp", "log-probs must be finite")
 
 
 def _check_rewards(rewards: Any, k: int) -> list[float]:

@@ -98,8 +98,9 @@ def test_push_and_ack_statuses_expire_after_the_same_time(redis_url):
         for kind in ("push", "ack"):
             (key,) = buffer.client.keys(buffer.keys.prefix + kind + ":*")
             ttls[kind] = buffer.client.ttl(key)
-        # TTL rounds down to whole seconds, and a second may pass between the two
-        assert all(STATUS_TTL_S - 2 <= t <= STATUS_TTL_S for t in ttls.values()), ttls
+        # TTL rounds down to whole seconds, and a loaded machine may stall between the two;
+        # the ack's literal was 600, STATUS_TTL_S is 600: halving either fails this
+        assert all(STATUS_TTL_S - 30 <= t <= STATUS_TTL_S for t in ttls.values()), ttls
 
 
 def test_an_ack_whose_reply_was_lost_is_sent_again_and_applied_once(redis_url, monkeypatch):

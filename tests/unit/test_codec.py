@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import resource
+import warnings
 
 import msgpack
 import numpy as np
@@ -179,11 +180,13 @@ def test_encode_refuses_wrong_dtypes_and_mismatched_lengths():
         encode(dataclasses.replace(group, behavior_logp=np.full(5, np.inf, dtype=LOGP_DTYPE)))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy's, on -2e19
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, -2e19])
 def test_a_non_finite_log_prob_anywhere_is_refused(bad):
-    # The check is one BLAS dot product, which works on blocks of values: a bad value at
-    # every position, in arrays whose lengths leave every remainder of a block, is seen.
-    # (-2e19 is finite, but its square overflows float32: documented as refused.)
+    # The check is one BLAS dot product, which works on blocks of values: a bad value first,
+    # in the middle or in the last two places, in arrays whose lengths leave every remainder
+    # of a block, is seen. (-2e19 is finite, but its square overflows float32: documented as
+    # refused.)
     for total in (1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 65, 8191):
         fields = {
             k.encode(): bytes(v) for k, v in encode_fields(make_group(k=1, length=total)).items()
@@ -195,6 +198,29 @@ def test_a_non_finite_log_prob_anywhere_is_refused(bad):
             logp[i] = bad
             with pytest.raises(RecordError, match="behavior_logp: log-probs must be finite"):
                 decode_fields({**fields, b"logp": logp.tobytes()})
+
+
+def test_an_overflowing_log_prob_is_a_bad_record_even_where_overflows_raise():
+    # The square of -2e19 overflows: numpy warns, or raises under np.seterr(over="raise") or
+    # with warnings as errors. Either way the decoder says the record is bad (a stray
+    # exception would leave the entry in the consumer's pool, failing every later take).
+    fields = {k.encode(): bytes(v) for k, v in encode_fields(make_group(k=1)).items()}
+    logp = np.frombuffer(fields[b"logp"], LOGP_DTYPE).copy()
+    logp[2] = -2e19
+    bad = {**fields, b"logp": logp.tobytes()}
+    with np.errstate(over="raise"), pytest.raises(RecordError, match="must be finite"):
+        decode_fields(bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RecordError, match="must be finite"):
+            decode_fields(bad)
+
+
+def test_a_decoded_group_has_every_field_of_the_dataclass():
+    # decode builds the Group without its __init__: a field added to Group (with a default)
+    # but not to the decoder would be missing from every decoded group
+    decoded = decode_fields({k.encode(): bytes(v) for k, v in encode_fields(make_group()).items()})
+    assert vars(decoded).keys() == {f.name for f in dataclasses.fields(Group)}
 
 
 def test_decoding_bytes_or_str_field_names_gives_the_same_group():
