@@ -109,8 +109,8 @@ def warmed(buffer: ReplayBuffer) -> ReplayBuffer:
     # Each pinned lane keeps a connection of its own (the push's, the read-ahead's, the
     # ack's), taken from the pool at first use: connect them all, then the pool's connection
     # for the other calls. Without this, the first take and the first ack of a round each made
-    # a new connection inside the timed loop (~1.5 ms each with a password: 0.03-0.05 ms per
-    # batch of a 300-group round).
+    # a new connection inside the timed loop (1.5-2 ms each with a password, timed once in a
+    # throwaway script: 0.03-0.05 ms per batch of a 300-group round).
     for lane in (buffer._producer._lane, buffer._consumer._lane, buffer._consumer._ack_lane):
         lane.release(lane.acquire())
     buffer.client.ping()
@@ -168,6 +168,17 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
         decode_fields({k.encode(): bytes(v) for k, v in encode_fields(g).items()})
         codec.append(time.perf_counter() - start)
     codec_ms = statistics.median(codec) * 1e3
+    # Decoding alone, the take's share of the client's work, in a tight loop: the per-call
+    # line above is too coarse (timer granularity, cold caches) to show a few microseconds.
+    as_read = [{k.encode(): bytes(v) for k, v in encode_fields(g).items()} for g in groups[:100]]
+    decode_runs = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(20):
+            for fields in as_read:
+                decode_fields(fields)
+        decode_runs.append((time.perf_counter() - start) / (20 * len(as_read)))
+    decode_us = statistics.median(decode_runs) * 1e6
 
     client = connect(url)
     rates: dict[str, list[float]] = {}
@@ -242,6 +253,7 @@ def run(url: str, n_groups: int, rounds: int, batch: int) -> None:
     ]:
         print(f"{label:34}{med[key]:10.0f}{med[key] * mb_per_group:10.1f}")
     print(f"encode+decode one group: {codec_ms:.3f} ms (median of 100; target < 1 ms)")
+    print(f"decode one group as read from Redis: {decode_us:.1f} us (median of 7 loops)")
     for label, ours, raw in [
         ("push, one per call ", "sf_push_1", "raw_push_1"),
         (f"push, batches of {batch}", "sf_push_b", "raw_push_b"),

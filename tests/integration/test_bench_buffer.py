@@ -39,6 +39,9 @@ def test_the_buffer_bench_prints_its_ratios_and_the_push_breakdown():
     assert float(bound[1]) == pytest.approx(
         float(rows["raw XADD"]) / float(rows["admit script instead (Producer._add)"]), abs=0.011
     )
+    decode = re.search(r"^decode one group as read from Redis: ([\d.]+) us", out, re.M)
+    assert decode is not None
+    assert float(decode[1]) > 0
     assert re.search(r"admit script [\d.]+ per push, ack script [\d.]+ per 4 acked", out)
     assert re.search(r"XREADGROUP of 4 [\d.]+ \(raw: [\d.]+, and XACK of 4 [\d.]+\)", out)
     split = re.search(
