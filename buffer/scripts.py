@@ -144,7 +144,7 @@ for i = 5, #ARGV, 3 do
     acked = acked + 1
     by_version[v] = (by_version[v] or 0) + 1
     local uses = 1
-    if ARGV[2] ~= '1' then uses = redis.call('HINCRBY', KEYS[3], id, 1) end
+    if max_reuse ~= 1 then uses = redis.call('HINCRBY', KEYS[3], id, 1) end
     if uses > 1 then reused = reused + 1 end
     if uses < max_reuse then
       replayable[#replayable + 1] = uses
