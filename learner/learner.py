@@ -90,6 +90,23 @@ def response_logprobs(model: Any, batch: TrainBatch, temperature: float) -> Tens
     Logits are computed only from the first response target on (HF `logits_to_keep`): with a
     large vocabulary the prompt's logits would cost as much as the rest of the model. Earlier
     positions are zeros; the response mask never selects them."""
+    return _response_stats(model, batch, temperature, entropy=False)[0]
+
+
+def response_logprobs_entropy(
+    model: Any, batch: TrainBatch, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """`response_logprobs` and, at the same positions, the policy's entropy at `temperature`
+    over the whole vocabulary, H = -sum_v pi(v) log pi(v), with its gradient (the entropy
+    bonus of docs/algorithms.md section 5). It costs one more [N, T, V] tensor (the softmax)."""
+    logp, entropy = _response_stats(model, batch, temperature, entropy=True)
+    assert entropy is not None
+    return logp, entropy
+
+
+def _response_stats(
+    model: Any, batch: TrainBatch, temperature: float, entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     n, length = batch.input_ids.shape
     columns = batch.response_mask.any(dim=0).nonzero()
     first = int(columns[0]) if len(columns) else length - 1
@@ -100,10 +117,14 @@ def response_logprobs(model: Any, batch: TrainBatch, temperature: float) -> Tens
     logits = logits[:, :-1].float() / temperature
     targets = batch.input_ids[:, first + 1 :]
     taken: Tensor = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logp = taken - torch.logsumexp(logits, dim=-1)
+    log_z = torch.logsumexp(logits, dim=-1)
+    logp = taken - log_z
+    # H = -sum p (logit - log Z) = log Z - sum p * logit: no second [N, T, V] log-softmax
+    ent = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1) if entropy else None
     if first == 0:
-        return logp
-    return torch.cat([logp.new_zeros(n, first), logp], dim=1)
+        return logp, ent
+    pad = logp.new_zeros(n, first)
+    return torch.cat([pad, logp], dim=1), None if ent is None else torch.cat([pad, ent], dim=1)
 
 
 class Learner:
@@ -251,9 +272,12 @@ class Learner:
             total += float(out.loss.detach())
             n = float(out.metrics["num_tokens"])
             sums["_tokens"] = sums.get("_tokens", 0.0) + n
-            sums["entropy"] = sums.get("entropy", 0.0) + float(
-                -aggregate(logp.detach(), micro.response_mask, "token-mean") * n
-            )  # a cheap estimate: -mean log pi of the (nearly on-policy) sampled tokens
+            # The exact entropy when the loss has an entropy term; otherwise a cheap estimate:
+            # -mean log pi of the (nearly on-policy) sampled tokens.
+            entropy = out.metrics.get("entropy")
+            if entropy is None:
+                entropy = -aggregate(logp.detach(), micro.response_mask, "token-mean")
+            sums["entropy"] = sums.get("entropy", 0.0) + float(entropy) * n
             for key in (
                 "clip_frac",
                 "ratio_mean",
@@ -287,7 +311,11 @@ class Learner:
 
     def _loss(self, batch: TrainBatch, denominator: Tensor | None = None) -> tuple[Tensor, Any]:
         """The preset's loss on `batch` with the current weights: (logp, LossOutputs)."""
-        logp = response_logprobs(self.engine, batch, self.temperature)
+        entropy = None
+        if self.loss_fn.config.entropy_coef > 0:
+            logp, entropy = response_logprobs_entropy(self.engine, batch, self.temperature)
+        else:
+            logp = response_logprobs(self.engine, batch, self.temperature)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
@@ -299,6 +327,7 @@ class Learner:
                 advantages=batch.advantages,
                 mask=batch.response_mask,
                 ref_logp=ref_logp,
+                entropy=entropy,
                 denominator=denominator,
             )
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,8 @@ from staleflow.actors.hf_engine import HFEngine
 from staleflow.actors.models import tiny_model
 from staleflow.buffer.records import Group, Response
 from staleflow.configs import parse_config
-from staleflow.learner.batch import build_batch
-from staleflow.learner.learner import Learner, response_logprobs
+from staleflow.learner.batch import TrainBatch, build_batch
+from staleflow.learner.learner import Learner, response_logprobs, response_logprobs_entropy
 from staleflow.learner.losses import PRESETS, LossInputs, get_loss
 
 pytestmark = pytest.mark.integration
@@ -309,3 +311,72 @@ def test_response_logprobs_skips_prompt_logits_without_changing_response_values(
     assert got.shape == expected.shape
     assert bool(mask[:, 0].logical_not().all())  # prompts exist, so trimming really happens
     torch.testing.assert_close(got[mask], expected[mask], rtol=0, atol=1e-5)
+
+
+class _FixedLogits(torch.nn.Module):
+    """A stand-in for the model's forward only: every position gets the same logits, so the
+    entropy below can be worked out by hand (the part under test is the entropy arithmetic)."""
+
+    def __init__(self, logits: list[float]) -> None:
+        super().__init__()
+        self.logits = torch.tensor(logits)
+
+    def forward(self, input_ids, attention_mask, logits_to_keep):
+        n = input_ids.shape[0]
+        return type("Out", (), {"logits": self.logits.expand(n, logits_to_keep, -1).clone()})
+
+
+def test_response_entropy_by_hand():
+    # logits (0, 0, 2 ln 2) at temperature 2 are (0, 0, ln 2): p = (1/4, 1/4, 1/2), so
+    # H = 2 * (1/4) ln 4 + (1/2) ln 2 = (1/2)(2 ln 2) + (1/2) ln 2 = 1.5 ln 2 = 1.03972
+    # and log p of token 2 = ln(1/2) = -0.69315.
+    model = _FixedLogits([0.0, 0.0, 2 * math.log(2)])
+    ids = torch.tensor([[1, 0, 2, 2]])  # a prompt of two tokens, a response of two
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=torch.tensor([[False, True, True]]),  # targets 1..3: response's 2, 2
+        behavior_logp=torch.zeros(1, 3),
+        advantages=torch.zeros(1),
+        group_index=torch.zeros(1, dtype=torch.long),
+        policy_versions=[0],
+    )
+    logp, entropy = response_logprobs_entropy(model, batch, 2.0)
+    torch.testing.assert_close(entropy[0, 1:], torch.full((2,), 1.5 * math.log(2)))
+    torch.testing.assert_close(logp[0, 1:], torch.full((2,), math.log(0.5)))
+    assert float(entropy[0, 0]) == 0.0  # a prompt position: never computed
+    torch.testing.assert_close(logp, response_logprobs(model, batch, 2.0))
+
+
+def test_entropy_bonus_is_the_exact_entropy_with_its_gradient():
+    # learner.loss.entropy_coef > 0 used to be accepted and then fail the first step (the
+    # learner never passed the entropy to the loss). The step's loss must be the policy loss
+    # minus 0.5 x the token-mean entropy, with H computed here independently of the learner
+    # (torch.distributions), and the update must follow that loss's gradient.
+    cfg = parse_config(
+        "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+        "learner: {optimizer: {lr: 1.0e-3, grad_clip: null}, "
+        "loss: {name: rec-oneside-is, entropy_coef: 0.5}}\n"
+    )
+    groups = sampled_groups(behaviour_seed=1)
+    reference, tokenizer = tiny_model(0)
+    learner = new_learner(cfg)
+    batch = build_batch(groups, cfg.learner.loss.advantage, tokenizer.pad_token_id, seed=0)
+    logp = response_logprobs(reference, batch, 0.9)
+    logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    h = torch.distributions.Categorical(logits=logits[:, :-1].float() / 0.9).entropy()
+    mask = batch.response_mask.float()
+    mean_h = (h * mask).sum() / mask.sum()
+    pg = get_loss("rec-oneside-is")(
+        LossInputs(logp, batch.behavior_logp, batch.advantages, batch.response_mask)
+    )
+    total = pg.loss - 0.5 * mean_h
+    total.backward()
+    grads = {n: p.grad for n, p in reference.named_parameters()}
+    ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()]))
+
+    metrics = learner.step(groups)
+    assert float(mean_h.detach()) > 0.1  # the term is not negligible next to the policy loss
+    assert metrics["loss"] == pytest.approx(float(total.detach()), rel=1e-5)
+    assert metrics["entropy"] == pytest.approx(float(mean_h.detach()), rel=1e-5)
+    assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-4)
