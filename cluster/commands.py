@@ -14,7 +14,7 @@ from typing import Any
 
 __all__ = [
     "cmd_eval", "cmd_replay", "cmd_report", "cmd_scale", "cmd_sweep", "cmd_train",
-    "config_keys_help",
+    "config_keys_help", "config_reference",
 ]  # fmt: skip
 
 
@@ -48,6 +48,99 @@ def _section_keys(prefix: str, model: Any) -> list[str]:
             continue
         lines.append(f"    {prefix}.{key}  {field.description}{_default_of(field)}")
     return lines
+
+
+def config_reference() -> str:
+    """docs/configuration.md: every config key, its default and description, and every loss
+    preset's parameters, in Markdown, from the schema (`make docs` writes it; a test checks
+    that the file is current)."""
+    from pydantic import BaseModel
+
+    from staleflow.configs import LOSS_PRESETS, LossPreset
+    from staleflow.configs.schema import RunConfig
+
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated from configs/schema.py and configs/losses.py by `make docs`: do not",
+        "edit by hand. -->",
+        "",
+        "A run is one YAML file with the sections below (unknown keys are errors; every number is",
+        "bounds-checked). Any key can be overridden on the command line as `section.key=value`,",
+        "e.g. `staleflow train configs/quickstart.yaml run.steps=5 sync.mode=async`;",
+        "`staleflow config CONFIG [overrides]` validates a config and prints it resolved, and",
+        "`staleflow train --help` lists the same keys. Defaults are in the second column",
+        "(null: unset, see the description).",
+    ]
+    for section, info in RunConfig.model_fields.items():
+        model = info.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            out += _reference_section(section, info.description or "", model)
+    common = set(LossPreset.model_fields)
+    out += [
+        "",
+        "## learner.loss presets",
+        "",
+        "`learner.loss.name` picks a preset (docs/algorithms.md section 5 has each one's",
+        "formula); the other `learner.loss` keys are that preset's parameters. Every preset takes",
+        "these, with these defaults unless its own list below says otherwise:",
+        "",
+        *_reference_table("learner.loss", LossPreset.model_fields.items()),
+    ]
+    for name, preset in LOSS_PRESETS.items():
+        doc = (preset.__doc__ or "").strip().splitlines()[0]
+        own = [
+            (key, field)
+            for key, field in preset.model_fields.items()
+            if key != "name"
+            and (
+                key not in common or _default_of(field) != _default_of(LossPreset.model_fields[key])
+            )
+        ]
+        out += ["", f"### {name}", "", doc]
+        if own:
+            out += ["", *_reference_table("learner.loss", own)]
+    return "\n".join(out) + "\n"
+
+
+def _reference_section(prefix: str, description: str, model: Any) -> list[str]:
+    from pydantic import BaseModel
+
+    plain, nested = [], []
+    for key, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel) and key != "loss":
+            nested.append((key, field))
+        else:
+            plain.append((key, field))
+    level = "##" if "." not in prefix else "###"
+    out = ["", f"{level} {prefix}", "", description, "", *_reference_table(prefix, plain)]
+    for key, field in nested:
+        out += _reference_section(f"{prefix}.{key}", field.description or "", field.annotation)
+    return out
+
+
+def _reference_table(prefix: str, fields: Any) -> list[str]:
+    rows = ["| key | default | description |", "|---|---|---|"]
+    for key, field in fields:
+        if key == "loss":  # a preset: named by its `name`, its parameters listed below
+            default = f"`{field.get_default(call_default_factory=True).name}`"
+            text = 'The loss preset and its parameters: see "learner.loss presets" below.'
+        else:
+            default, text = _markdown_default(field), field.description or ""
+        # a table cell: escape the column separator and what would read as an HTML tag
+        text = text.replace("|", "\\|").replace("<", "&lt;")
+        rows.append(f"| `{prefix}.{key}` | {default} | {text} |")
+    return rows
+
+
+def _markdown_default(field: Any) -> str:
+    if field.is_required():
+        return "(required)"
+    value = field.get_default(call_default_factory=True)
+    if hasattr(value, "model_dump"):
+        value = value.model_dump()
+    return f"`{json.dumps(value, default=str)}`"
 
 
 def check_before_start(cfg: Any) -> None:

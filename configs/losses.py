@@ -94,7 +94,11 @@ class LossPreset(Frozen):
 
     loss_agg_mode: AggMode = "token-mean"
     kl_coef: float = Field(
-        0.0, ge=0.0, le=100.0, description="Weight of a KL penalty to a frozen reference model."
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="Weight of a KL penalty to a frozen reference model (needs "
+        "learner.reference_model: true).",
     )
     kl_estimator: KLEstimator = Field(
         "k3", description="Estimator of that KL: k1, k2 or k3 (Schulman's approximations)."

@@ -97,8 +97,9 @@ class TaskConfig(Frozen):
         0.1,
         ge=0.0,
         le=1.0,
-        description="custom: fraction of a batch's responses whose reward function may raise "
-        "(each scored 0 and counted) before the run stops with the first traceback.",
+        description="Fraction of a batch's responses whose reward function may raise (each "
+        "scored 0 and counted; any task, custom reward functions most likely) before the run "
+        "stops with the first traceback.",
     )
 
     @field_validator("name")
@@ -305,7 +306,12 @@ class OptimizerConfig(Frozen):
     schedule: Literal["constant", "warmup_cosine"] = Field(
         "constant", description="constant, or linear warmup then cosine decay."
     )
-    warmup_steps: int = Field(0, ge=0, description="warmup_cosine: steps of linear warmup.")
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="warmup_cosine: optimizer steps of linear warmup (a learner step takes "
+        "mini_batches x epochs of them).",
+    )
     min_lr_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="warmup_cosine: final lr as a fraction of lr."
     )

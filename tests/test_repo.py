@@ -54,6 +54,7 @@ def test_every_cited_doc_ships_with_the_repository():
     # Code, configs and docs cite docs/algorithms.md and docs/architecture.md by name; a
     # citation of a file outside the repository could not be followed by anyone who clones it.
     cited: set[str] = set()
+    parts_cited: list[tuple[Path, str, str]] = []
     for path in REPO.rglob("*"):
         parts = path.relative_to(REPO).parts
         if path.suffix not in {".py", ".md", ".yaml", ".toml"} or any(
@@ -63,6 +64,29 @@ def test_every_cited_doc_ships_with_the_repository():
         text = path.read_text(errors="replace")
         assert "../" + "shared" not in text, f"{path} points outside the repository"
         cited.update(re.findall(r"\bdocs/[\w/.-]+\.md\b", text))
+        # a part cited by name (`docs/architecture.md, "Contracts"`, possibly across a line
+        # break and a comment's `#`) must be a heading or a bold paragraph label there
+        for doc, name in re.findall(r'\b(docs/[\w/.-]+\.md),?[\s#]*"([A-Z][\w ]+)"', text):
+            parts_cited.append((path, doc, " ".join(name.split())))
     assert {"docs/algorithms.md", "docs/architecture.md"} <= cited
     for doc in cited:
         assert (REPO / doc).is_file(), f"{doc} is cited but missing"
+    assert len(parts_cited) >= 10  # the pattern finds the citations
+    for path, doc, name in parts_cited:
+        text = (REPO / doc).read_text()
+        headings = {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")}
+        named = any(h == name or h.split(". ", 1)[-1] == name for h in headings)
+        labelled = f"**{name}**" in text or f"**{name}.**" in text
+        assert named or labelled, f"{path} cites {doc}, {name!r}: no such part"
+
+
+def test_configuration_reference_is_generated_from_the_current_schema():
+    from staleflow.cluster.commands import config_reference
+
+    current = (REPO / "docs/configuration.md").read_text()
+    assert current == config_reference(), "docs/configuration.md is stale: run `make docs`"
+    # every key of the schema is in it, e.g. one of each section and a preset's own parameter
+    for key in ("model.dtype", "task.eval_fraction", "rollout.vllm.max_model_len",
+                "buffer.claim_idle_s", "learner.optimizer.warmup_steps", "sync.bucket_mb",
+                "run.record_trajectories", "learner.loss.regularizer_coef"):  # fmt: skip
+        assert f"| `{key}` |" in current
