@@ -1,8 +1,9 @@
 """A learner rank as a Ray actor: one data-parallel rank of the learner, wrapping the plain
 `Learner` (learner/) with what a rank does in a run: rank 0 takes each batch from the buffer
-and hands the same groups to the others, every rank steps, rank 0 acks and publishes. The
-driver hears back a small `StepReport` per call. `placement.LearnerGroup` starts the ranks
-and calls them all together."""
+and hands the same groups to the others, every rank steps, rank 0 acks the groups once a
+checkpoint holds the step (holding them until then) and publishes. The driver hears back a
+small `StepReport` per call. `placement.LearnerGroup` starts the ranks and calls them all
+together."""
 
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ class StepReport:
 
 class LearnerRank:
     """One data-parallel rank of the learner (a Ray actor). Rank 0 takes each batch from the
-    buffer, hands the same groups to the other ranks, acks them after the step and publishes
-    weights; the driver only says when (docs/architecture.md, "The data path")."""
+    buffer, hands the same groups to the other ranks, acks them once a checkpoint holds the
+    step (right after it with run.checkpoint_every 0) and publishes weights; the driver only
+    says when (docs/architecture.md, "The data path")."""
 
     def __init__(
         self,
