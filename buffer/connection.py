@@ -14,6 +14,7 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from staleflow.configs.loader import redact
+from staleflow.configs.schema import redis_url_problem
 
 __all__ = ["BufferConnectionError", "Pinned", "connect", "translate_errors", "without_retries"]
 
@@ -68,10 +69,9 @@ class _RetryUnlessRefused(Retry):
 def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> redis.Redis:
     """A client for `url` (redis://, rediss:// with password, unix://) that retries dropped
     connections with exponential backoff (~6 s in all) before giving up."""
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        raise ValueError(
-            f"Redis URL must start with redis://, rediss:// or unix:// (got {redact(url)!r})"
-        )
+    problem = redis_url_problem(url)
+    if problem:
+        raise ValueError(f"Redis URL {redact(url)!r} {problem}")
     tls_target = None
     if url.startswith("rediss://"):
         parts = urlsplit(url)
@@ -80,15 +80,18 @@ def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> re
         ExponentialBackoff(cap=2.0, base=0.05), retries, tls_target=tls_target
     )
     tcp: dict[str, Any] = {} if url.startswith("unix://") else {"socket_keepalive": True}
-    return redis.Redis.from_url(  # (a unix socket's connection takes no keepalive option)
-        url,
-        retry=retry,
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError, socket.timeout],
-        socket_timeout=socket_timeout_s,
-        socket_connect_timeout=5.0,
-        health_check_interval=30,
-        **tcp,
-    )
+    try:
+        return redis.Redis.from_url(  # (a unix socket's connection takes no keepalive option)
+            url,
+            retry=retry,
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError, socket.timeout],
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=5.0,
+            health_check_interval=30,
+            **tcp,
+        )
+    except ValueError as exc:  # an option redis-py cannot read (?db=x, ?socket_timeout=y)
+        raise ValueError(f"Redis URL {redact(url)!r}: {exc}") from None
 
 
 def answers_plain_redis(host: str, port: int, timeout_s: float = 2.0) -> bool:
@@ -186,7 +189,8 @@ def translate_errors(method: Callable[P, R]) -> Callable[P, R]:
                 )
             raise BufferConnectionError(
                 f"Redis at {where} is unreachable after retrying ({exc}){tls}; "
-                "start one, fix the URL, or omit --redis-url to use the embedded server"
+                "start one or fix the URL; a run without buffer.redis_url (or its "
+                "$STALEFLOW_REDIS_URL) starts an embedded server"
             ) from exc
 
     return wrapper

@@ -239,12 +239,15 @@ def redis_url_from_env() -> str | None:
     """$STALEFLOW_REDIS_URL when buffer.redis_url is not set; checked like the config key."""
     import os
 
-    from staleflow.configs.schema import BufferConfig
+    from staleflow.configs.schema import redis_url_problem
 
     url = os.environ.get(REDIS_URL_ENV) or None
-    if url is not None:
-        try:
-            BufferConfig(redis_url=url)
-        except ValueError as exc:
-            raise ValueError(f"${REDIS_URL_ENV}: {redact(str(exc))}") from None
+    problem = redis_url_problem(url) if url is not None else None
+    if url is not None and problem:
+        raise ValueError(
+            redact(
+                f"${REDIS_URL_ENV} {problem} (got {url!r}); fix it, or unset it to use the "
+                "embedded server"
+            )
+        )
     return url

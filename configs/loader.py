@@ -34,7 +34,10 @@ __all__ = [
 Loc = tuple[str, ...]
 # up to the netloc's last '@', where redis-py (urlparse) ends the password: a password with
 # an '@' in it is masked whole
-_URL_PASSWORD = re.compile(r"(\w+://[^:/@\s]*:)[^/?#\s]*@")
+# user:password@ in a URL, with or without its scheme (a URL given without one is reported
+# back in the error), and a password passed as a query option (?password=...).
+_URL_PASSWORD = re.compile(r"((?:\w+://)?[^\s:/@'\"]*:)[^\s/?#'\"]*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s'\"]*", re.I)
 
 
 class ConfigError(ValueError):
@@ -104,8 +107,9 @@ def apply_overrides(
 
 
 def redact(text: str) -> str:
-    """Mask the password of every URL in `text` (scheme://user:password@host -> user:***@)."""
-    return _URL_PASSWORD.sub(r"\1***@", text)
+    """Mask the password of every URL in `text` (scheme://user:password@host -> user:***@,
+    also without the scheme, and ?password=... -> ?password=***)."""
+    return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from typing import ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -276,11 +277,9 @@ class BufferConfig(Frozen):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, url: str | None) -> str | None:
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(
-                f"buffer.redis_url must start with redis://, rediss:// or unix:// (got "
-                f"{url.split('@')[-1]!r}); omit it to use the embedded server"
-            )
+        problem = redis_url_problem(url) if url is not None else None
+        if problem:  # (the error report adds the URL, password masked)
+            raise ValueError(f"buffer.redis_url {problem}; omit it to use the embedded server")
         return url
 
     @model_validator(mode="after")
@@ -291,6 +290,26 @@ class BufferConfig(Frozen):
                 f"(got sampling: {self.sampling})"
             )
         return self
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with a Redis URL, as the end of a sentence naming it, or None: checked
+    when a config loads, so that a run does not fail on it after Ray has started."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return "must start with redis://, rediss:// or unix://"
+    parts = urlsplit(url)
+    if url.startswith("unix://"):
+        return None if parts.path else "needs the socket's path, e.g. unix:///run/redis.sock"
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        port = 0
+    if port == 0:
+        return "has no valid port (1-65535), e.g. redis://host:6379/0"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():  # redis-py would quietly use database 0
+        return f"names database {db!r}, which is not a number, e.g. redis://host:6379/0"
+    return None
 
 
 class OptimizerConfig(Frozen):

@@ -62,6 +62,27 @@ def test_a_bad_redis_url_in_the_environment_is_refused_without_echoing_it(tmp_pa
     assert not any(tmp_path.iterdir())  # refused before a run directory was made
 
 
+def test_a_schemeless_redis_url_in_the_environment_is_refused_without_echoing_it(tmp_path):
+    env = {"PATH": str(Path(sys.executable).parent),
+           "STALEFLOW_REDIS_URL": "default:hunter2@db:6379"}  # fmt: skip
+    out = subprocess.run(
+        [EXE, "train", str(REPO / "configs/tiny.yaml"), f"run.output_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert "$STALEFLOW_REDIS_URL must start with redis://" in out.stderr
+    assert "hunter2" not in out.stderr + out.stdout
+    assert "input_value" not in out.stderr  # a message, not pydantic's dump
+    assert not any(tmp_path.iterdir())
+
+
+def test_buffer_stats_with_a_bad_port_names_the_url():
+    out = staleflow("buffer", "stats", "--redis-url", "redis://:pw@127.0.0.1:99999", "--run", "x")
+    assert out.returncode == 2
+    assert "redis://:***@127.0.0.1:99999" in out.stderr
+    assert "no valid port" in out.stderr
+
+
 def test_ray_client_address_without_a_reachable_redis_is_refused(tmp_path):
     out = staleflow(
         "train", "configs/tiny.yaml", "--address", "ray://head:10001", f"run.output_dir={tmp_path}"

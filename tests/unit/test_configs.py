@@ -188,6 +188,12 @@ def test_leftover_parameters_after_switching_preset_are_reported():
         (MINIMAL, ["task.name=gsm8k"], "needs task.path"),
         (MINIMAL, ["task.name=custom", "task.reward_fn=nocolon"], "package.module:function"),
         (MINIMAL, ["buffer.redis_url=http://h:1"], "redis://, rediss://"),
+        # caught when the config loads, not by redis-py after Ray has started
+        (MINIMAL, ["buffer.redis_url=redis://127.0.0.1:99999"], "no valid port"),
+        (MINIMAL, ["buffer.redis_url=redis://127.0.0.1:abc/0"], "no valid port"),
+        (MINIMAL, ["buffer.redis_url=redis://127.0.0.1:0"], "no valid port"),
+        (MINIMAL, ["buffer.redis_url=redis://h:6379/abc"], "database 'abc'"),
+        (MINIMAL, ["buffer.redis_url=unix://"], "socket's path"),
         (MINIMAL, ["buffer.max_reuse=3"], "only applies to sampling: replay"),
         (MINIMAL, ["learner.loss.name=opmd", "learner.loss.kl_coef=0.1"], "reference_model: true"),
         (MINIMAL, ["learner.loss.epsilon_low=0.1"], r"learner.loss.name: required.*grpo"),
@@ -267,6 +273,32 @@ def test_the_paper_configs_off_policy_columns_each_pass_the_start_checks():
         check_schedule(cfg)
         check_sync_method(cfg)
         assert cfg.sync.mode == "lockstep", name
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "default:s3cret@host:6379",  # no scheme: reported back in the error
+        "http://default:s3cret@host:6379",
+        "redis://:s3cret@host:99999/0",
+        "redis://host:99999/0?password=s3cret",  # redis-py reads a password from the query too
+    ],
+)
+def test_a_refused_url_does_not_print_its_password(url):
+    with pytest.raises(ConfigError) as err:
+        parse_config(MINIMAL, [f"buffer.redis_url={url}"])
+    assert "s3cret" not in str(err.value)
+    assert "buffer.redis_url" in str(err.value)
+    assert str(err.value).count("(got ") == 1  # the value once, masked
+
+
+def test_a_query_password_is_masked():
+    from staleflow.configs.loader import redact
+
+    url = "redis://h:6379/0?password=s3cret&socket_timeout=5"
+    assert redact(url) == "redis://h:6379/0?password=***&socket_timeout=5"
+    cfg = parse_config(MINIMAL, [f"buffer.redis_url={url}"])
+    assert "s3cret" not in redact(dump_config(cfg))
 
 
 def test_a_password_with_an_at_sign_is_masked_whole():
