@@ -161,8 +161,8 @@ def _add_run_commands(sub: Any) -> None:
         help="train: rollout workers + replay buffer + learner on a local or existing Ray cluster",
         description="Start (or join) Ray, an embedded Redis unless buffer.redis_url is set, the "
         "rollout workers and the DeepSpeed learner, and train on the config's schedule. Writes "
-        "the run directory <run.output_dir>/<run.name>. Ctrl-C stops cleanly (checkpoint, "
-        "summary, report); a second Ctrl-C stops at once.",
+        "the run directory <run.output_dir>/<run.name>. Ctrl-C or SIGTERM stops cleanly "
+        "(checkpoint, summary, report); a second one stops at once.",
         epilog=config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

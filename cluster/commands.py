@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -282,9 +283,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         logging.getLogger().removeHandler(handler)
     _print_summary(run, summary)
-    return (
-        0 if summary["status"] == "completed" else 130 if summary["status"] == "interrupted" else 1
-    )
+    if summary["status"] == "interrupted":  # 128 + the signal, as a shell reports it
+        return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
+    return 0 if summary["status"] == "completed" else 1
 
 
 def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> tuple[Any, str]:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from staleflow.buffer.connection import BufferConnectionError
 from staleflow.cluster.evaluations import Evaluations
 from staleflow.cluster.failures import LearnerFailed
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
@@ -75,6 +76,7 @@ class Driver(CheckpointMixin):
         self.timeline = Timeline()
         self.accuracy: dict[int, float] = {}
         self.stop_requested = False
+        self.stop_signal: str | None = None  # the signal that asked for the stop, by name
         self.started = time.time()
         self.services = Services(self.cfg, self.rundir, self.address)
         self.metrics: Any = None  # MetricsWriter, once started
@@ -329,13 +331,19 @@ class Driver(CheckpointMixin):
     def run(self) -> dict[str, Any]:
         """Start everything, train `run.steps` steps, stop everything; returns the summary.
 
-        The first SIGINT (Ctrl-C) asks for a clean stop at the next event: the step in flight
-        finishes and is acked, then checkpoint, summary, report, Ray and Redis go down. A
-        second SIGINT interrupts at once (cleanup still runs)."""
-        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        The first SIGINT (Ctrl-C) or SIGTERM (what `kill`, Slurm, Kubernetes and `ray job
+        stop` send) asks for a clean stop at the next event: the step in flight finishes and
+        is acked, then checkpoint, summary, report, Ray and Redis go down. A second one
+        interrupts at once (cleanup still runs)."""
+        previous = {
+            sig: signal.signal(sig, self._on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         status = "failed"
         try:
             self._start()
+            # ray.init installs SIGTERM handlers of its own (a Python one that exits, then the
+            # core worker's, which aborts the process): take SIGTERM back once Ray is up.
+            signal.signal(signal.SIGTERM, self._on_stop_signal)
             while self.step < self.cfg.run.steps and not self.stop_requested:
                 self._tick()
                 self._wait()
@@ -358,15 +366,19 @@ class Driver(CheckpointMixin):
             logger.error("the run failed: %s", self.error)
             raise
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             summary = self._finish(status)
         return summary
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
         if self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
-        logger.warning("stopping: finishing the step in flight (Ctrl-C again to stop now)")
+        self.stop_signal = signal.Signals(signum).name
+        again = "Ctrl-C" if signum == signal.SIGINT else self.stop_signal
+        logger.warning("stopping (%s): finishing the step in flight (%s again to stop now)",
+                       self.stop_signal, again)  # fmt: skip
 
     def _wait(self) -> None:
         """Block until something in flight finishes (or briefly, to poll buffer and control)."""
@@ -495,6 +507,9 @@ class Driver(CheckpointMixin):
                     self.counts.dropped_invalid += invalid
                 elapsed = time.time() - self.started
                 summary.update(reconcile(self.buffer.stats(), self.counts, self.flow, elapsed))
+        except BufferConnectionError as exc:  # says all there is to say: no traceback
+            logger.error("could not checkpoint or reconcile the run: %s", exc)
+            summary["status"] = status = "failed"
         except Exception:
             logger.exception("could not checkpoint or reconcile the run")
             summary["status"] = status = "failed"
@@ -503,6 +518,8 @@ class Driver(CheckpointMixin):
         summary["faults"] = self.faults
         if status != "completed" and self.rundir.latest_checkpoint() is not None:
             summary["resume"] = f"staleflow train --resume {self.rundir.path}"
+        if status == "interrupted" and self.stop_signal is not None:
+            summary["stopped_by"] = self.stop_signal
         if self.learner_failed is not None:
             summary["learner_error"] = self.learner_failed
         if self.error is not None:

@@ -29,10 +29,10 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def ctrl_c(proc) -> str:
+def ctrl_c(proc, sig: int = signal.SIGINT) -> str:
     """Stop a running `staleflow train` as a user would (the step in flight finishes, then
-    checkpoint, summary, shutdown); its output."""
-    proc.send_signal(signal.SIGINT)
+    checkpoint, summary, shutdown), or as a scheduler would (SIGTERM); its output."""
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=300)
     return out
 
@@ -418,7 +418,9 @@ def test_scale_workers_up_and_down_during_a_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path, sig):
+    # SIGTERM is what kill, Slurm, Kubernetes and `ray job stop` send: the same clean stop
     (tmp_path / "c.yaml").write_text(TINY)
     proc = staleflow(
         "train", "c.yaml", "run.name=stopped", "sync.mode=async", "run.steps=100000",
@@ -430,11 +432,12 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path):
     redis_pid = json.loads((run / "redis/server.json").read_text())["pid"]
     assert redis_pid in children
     assert len(children) > 3
-    out = ctrl_c(proc)
-    assert proc.returncode == 130, out[-3000:]
+    out = ctrl_c(proc, sig)
+    assert proc.returncode == 128 + sig, out[-3000:]  # 130 for SIGINT, 143 for SIGTERM
     wait_for(lambda: not any(alive(p) for p in children), 120, "Redis and Ray to exit")
 
     summary = interrupted_summary(run, out)
+    assert summary["stopped_by"] == sig.name
     assert 3 <= summary["steps"] < 100000
     latest = run / "checkpoints" / (run / "checkpoints/LATEST").read_text().strip()
     assert json.loads((latest / "trainer.json").read_text())["steps"] == summary["steps"]
