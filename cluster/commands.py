@@ -398,10 +398,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
     refusal = ipc_scale_refusal(method, reserved, args.workers)
     if refusal:
         return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
+    (run.control / "scale-refused.json").unlink(missing_ok=True)  # an answer to an old request
     run.request_workers(args.workers)
     deadline = time.time() + args.timeout
     while time.time() < deadline:
         time.sleep(0.5)
+        refusal = run.worker_refusal(args.workers)
+        if refusal:
+            return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
         status = json.loads(run.status.read_text())
         if status.get("workers") == args.workers and not (run.control / "scale.json").exists():
             print(f"run {run.path.name}: {args.workers} rollout workers")

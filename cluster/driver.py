@@ -33,7 +33,7 @@ from staleflow.buffer.connection import BufferConnectionError
 from staleflow.cluster.evaluations import Evaluations
 from staleflow.cluster.failures import LearnerFailed
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
-from staleflow.cluster.resources import ipc_scale_refusal
+from staleflow.cluster.resources import ipc_scale_refusal, scale_placement_refusal
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
 from staleflow.cluster.rollouts import Rollouts
 from staleflow.cluster.rundir import MetricsWriter, write_json, write_text
@@ -427,8 +427,11 @@ class Driver(CheckpointMixin):
             return
         cfg = self.cfg  # `staleflow scale` refuses the same
         refusal = ipc_scale_refusal(cfg.sync.method, cfg.rollout.num_workers, n)
+        if refusal is None and n > len(self.pool.active):
+            refusal = scale_placement_refusal(cfg, n)
         if refusal:
             logger.error("not scaling to %d rollout workers: %s", n, refusal)
+            self.rundir.refuse_workers(n, refusal)
             return
         if self.sync.broadcasts and self.cfg.sync.mode == "lockstep":
             # a new engine can only get the weights of a broadcast: wait for the next publish

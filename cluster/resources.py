@@ -230,6 +230,18 @@ def cluster_nodes() -> list[NodeCapacity]:
     return nodes
 
 
+def scale_placement_refusal(cfg: Any, n: int) -> str | None:
+    """Why the connected cluster cannot hold this run with `n` rollout workers (checked as
+    at start: the whole run against the nodes' totals), or None. Ray would otherwise keep the
+    new workers pending, and batches handed to them would wait for rollout.batch_timeout_s."""
+    scaled = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_workers": n})})
+    try:
+        fit(run_requests(scaled), cluster_nodes())
+    except PlacementError as exc:
+        return str(exc).replace("lower rollout.num_workers", "ask for fewer workers")
+    return None
+
+
 def check_sync_method(cfg: Any) -> None:
     """Refuse a weight-sync method that cannot work with this placement and schedule."""
     sync, learner, rollout = cfg.sync, cfg.learner, cfg.rollout

@@ -109,6 +109,18 @@ class RunDir:
         write_json(path, {"workers": n, "requested_at": time.time()})
         return path
 
+    def refuse_workers(self, n: int, reason: str) -> None:
+        """The driver's answer to a request it will not apply (`staleflow scale` prints it)."""
+        write_json(self.control / "scale-refused.json", {"workers": n, "reason": reason})
+
+    def worker_refusal(self, n: int) -> str | None:
+        """Why the driver refused to scale to `n` workers, if it did."""
+        try:
+            data = json.loads((self.control / "scale-refused.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return str(data.get("reason")) if data.get("workers") == n else None
+
     def take_worker_request(self) -> int | None:
         path = self.control / "scale.json"
         try:

@@ -400,6 +400,15 @@ def test_scale_workers_up_and_down_during_a_run(tmp_path):
         for worker in (1, 2):
             assert batches_by(worker)[0]["policy_version"] >= scaled_up["step"]
 
+        # more workers than the cluster can hold: refused with the reason (Ray would keep
+        # them pending, and batches handed to them would wait out rollout.batch_timeout_s)
+        too_many = staleflow("scale", str(run), "--workers", "64", cwd=tmp_path)
+        out, _ = too_many.communicate(timeout=200)
+        assert too_many.returncode != 0, out
+        assert "cannot scale to 64 workers" in out and "cannot hold this run" in out, out
+        assert status_of(run)["workers"] == 3
+        assert len(records("scale")) == 1
+
         down = staleflow("scale", str(run), "--workers", "1", cwd=tmp_path)
         out, _ = down.communicate(timeout=200)
         assert down.returncode == 0, out
