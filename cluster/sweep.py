@@ -127,6 +127,24 @@ def _label(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", str(value))
 
 
+def _unique_labels(
+    where: str, entries: list[tuple[Any, str, tuple[str, ...]]]
+) -> dict[str, tuple[str, ...]]:
+    """label -> overrides of one axis, refusing two values that make the same label (the same
+    value twice, 0.001 and 1.0e-3, 'a b' and 'a_b'): one cell would silently replace the
+    other, as cells and their run directories are named by these labels."""
+    out: dict[str, tuple[str, ...]] = {}
+    first: dict[str, Any] = {}
+    for value, label, overrides in entries:
+        if label in out:
+            raise SweepError(
+                f"{where}: {first[label]!r} and {value!r} both make the cell label {label!r}; "
+                "give each value once, with labels that differ in letters, digits or _.-"
+            )
+        out[label], first[label] = overrides, value
+    return out
+
+
 def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
     """Read and check a sweep file; every cell's config is validated before anything runs."""
     path = Path(path)
@@ -158,10 +176,11 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         if isinstance(values, list):  # a key axis: the axis is a config key
             if not values:
                 raise SweepError(f"{where}: the list of values is empty")
-            axes[str(axis)] = {
-                f"{str(axis).split('.')[-1]}-{_label(v)}": _as_overrides({axis: v}, where)
-                for v in values
-            }
+            axes[str(axis)] = _unique_labels(
+                where,
+                [(v, f"{str(axis).split('.')[-1]}-{_label(v)}", _as_overrides({axis: v}, where))
+                 for v in values],
+            )  # fmt: skip
         elif isinstance(values, dict) and values:
             for label in values:
                 if not isinstance(label, (str, int, float)) or isinstance(label, bool):
@@ -169,9 +188,11 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
                         f"{where}: label {label!r} is not a string; quote it (YAML reads "
                         "on / off / yes / no as booleans)"
                     )
-            axes[str(axis)] = {
-                _label(label): _as_overrides(o, f"{where}.{label}") for label, o in values.items()
-            }
+            axes[str(axis)] = _unique_labels(
+                where,
+                [(label, _label(label), _as_overrides(o, f"{where}.{label}"))
+                 for label, o in values.items()],
+            )  # fmt: skip
         else:
             raise SweepError(
                 f"{where}: give a list of values for a config key (run.seed: [0, 1]) or a "

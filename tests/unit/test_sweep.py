@@ -67,6 +67,16 @@ grid:
         ("grid: {sync: {bad: {sync.interval: 0}}}\n", r"(?s)cell bad: .*sync\.interval"),
         # YAML reads an unquoted on / off / yes / no as a boolean, which is no label
         ("grid: {sync: {on: {sync.interval: 1}}}\n", "label True is not a string"),
+        # two values that name the same cell: one would silently replace the other
+        ("grid: {run.seed: [0, 0]}\n", "0 and 0 both make the cell label 'seed-0'"),
+        (
+            "grid: {learner.optimizer.lr: [0.001, 1.0e-3]}\n",
+            "0.001 and 0.001 both make the cell label 'lr-0.001'",
+        ),
+        (
+            "grid: {algo: {'a b': {sync.interval: 1}, a_b: {sync.interval: 2}}}\n",
+            "'a b' and 'a_b' both make the cell label 'a_b'",
+        ),
         # lockstep with a bound below the schedule's worst lag cannot run: refused up front
         (
             "grid: {sync: {i4: {sync.mode: lockstep, sync.interval: 4, "
