@@ -292,7 +292,7 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
     """The config a run was started with (config.json in its directory), with the overrides a
     resume may make. The stored config has its Redis password masked: an external server's
     URL must come again, from $STALEFLOW_REDIS_URL or buffer.redis_url=..."""
-    from staleflow.cluster.resume import ResumeError, resume_overrides_allowed
+    from staleflow.cluster.resume import ResumeError, check_steps_left, resume_overrides_allowed
     from staleflow.cluster.rundir import RunDir
     from staleflow.configs import ConfigError, load_config
 
@@ -308,6 +308,7 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
         raise ResumeError(str(exc)) from None
     resume_overrides_allowed(overrides)
     cfg = load_config(str(run.config), overrides)
+    check_steps_left(run, cfg.run.steps)  # before anything in the run directory changes
     url = cfg.buffer.redis_url
     if (
         url is not None

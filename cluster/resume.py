@@ -244,6 +244,23 @@ class Resume:
         return out
 
 
+def check_steps_left(run: RunDir, steps: int) -> None:
+    """Refuse to resume a run whose last checkpoint already holds `steps` (run.steps) steps:
+    there is nothing to train, and a resume would only rewrite its files. A checkpoint that
+    cannot be read is left for load_resume to report."""
+    path = run.latest_checkpoint()
+    try:
+        done = int(json.loads((path / "trainer.json").read_text())["extra"]["driver"]["flow"]
+                   ["steps"]) if path is not None else 0  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if done >= steps:
+        raise ResumeError(
+            f"{run.path} has already trained {done} steps, and run.steps is {steps}: nothing "
+            f"to resume; to train it further, give run.steps=N with N > {done}"
+        )
+
+
 def load_resume(run: RunDir, cfg: Any) -> Resume:
     """Read the last checkpoint of `run` (or start from step 0 if it has none, which only
     works when acks wait for checkpoints), and cut the metrics back to its step."""

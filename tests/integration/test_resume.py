@@ -42,6 +42,17 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     # with offset 1, batch 6 needs version 4: the checkpoint kept it
     assert (run.checkpoints / "step-000005/weights/weights-v00000004.safetensors").is_file()
 
+    # a resume with no steps left is refused before it touches the run's files (it used to
+    # evaluate again, append to metrics.jsonl, and store run.steps=3 in config.json)
+    files = {p: p.read_bytes() for p in (run.metrics, run.config, run.path / "summary.json")}
+    for more in ([], ["run.steps=3"]):
+        proc = staleflow("train", "--resume", str(run.path), *more, cwd=tmp_path)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 2, out
+        assert "has already trained 5 steps" in out
+        assert "run.steps=N with N > 5" in out
+    assert {p: p.read_bytes() for p in files} == files
+
     cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base, "run.steps=8"])
     summary = Driver(cfg, RunDir(run.path), resume=True).run()
     assert summary["status"] == "completed"
