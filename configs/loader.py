@@ -162,6 +162,23 @@ def _describe(
             valid = _valid_keys(err["loc"][:-1])
             msg = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
             show_input = False
+            name = (_node_at(data, loc[:-1]) or {}).get("name") if len(loc) > 1 else None
+            if (*loc[:-1], "name") in origins and origins[(*loc[:-1], "name")].startswith(
+                "override "
+            ):  # a preset switched by override keeps the file's keys of the old one
+                section = ".".join(loc[:-1])
+                msg += (
+                    f" (the override of {section}.name keeps the file's other {section} keys, "
+                    f"which {name} does not take: replace the section instead, "
+                    f"'{section}={{name: {name}}}')"
+                )
+        elif err["type"] in ("model_attributes_type", "model_type", "dict_type") and loc:
+            section = ".".join(loc)
+            example = f" (e.g. {section}.name=grpo)" if section == "learner.loss" else ""
+            msg = (
+                f"{section} is a section, not a value: set its keys one by one, "
+                f"{section}.KEY=VALUE{example}, or give a mapping, '{section}={{KEY: VALUE}}'"
+            )
         elif err["type"] == "missing":
             msg, show_input = "required key is missing", False
         elif err["type"] == "union_tag_not_found":

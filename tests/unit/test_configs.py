@@ -137,6 +137,20 @@ def test_unknown_preset_lists_the_presets(tmp_path):
     assert all(name in msg for name in LOSS_PRESETS)
 
 
+def test_switching_the_loss_preset_by_override_says_how(tmp_path):
+    path = write(tmp_path, MINIMAL + "learner:\n  loss: {name: grpo, epsilon_low: 0.3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["learner.loss.name=reinforce"])
+    assert "learner.loss.epsilon_low: unknown key" in str(err.value)
+    assert "replace the section instead, 'learner.loss={name: reinforce}'" in str(err.value)
+    # which works
+    assert load_config(path, ["learner.loss={name: reinforce}"]).learner.loss.name == "reinforce"
+    with pytest.raises(
+        ConfigError, match=r"learner.loss is a section, not a value.*loss.name=grpo"
+    ):
+        load_config(path, ["learner.loss=grpo"])
+
+
 def test_bad_value_from_an_override_names_the_override():
     with pytest.raises(ConfigError, match=r"override 'rollout.temperature=-1'.*greater than 0"):
         parse_config(MINIMAL, ["rollout.temperature=-1"])
