@@ -78,13 +78,23 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
     from staleflow.buffer.replay import BufferConnectionError, ReplayBuffer
     from staleflow.buffer.server import RedisServerError, read_server_url, redis_dir
 
+    state = _run_state(args.run_dir) if args.run_dir else None
     try:
+        if args.run_dir and not args.redis_url and state not in (None, "starting", "running"):
+            raise ValueError(
+                f"run {Path(args.run_dir).name} is not running (state: {state}): its embedded "
+                'Redis stopped with it. Its final counts are under "groups" in '
+                f"{Path(args.run_dir) / 'summary.json'}; `staleflow train --resume` starts the "
+                "server again with the buffer as it was"
+            )
         url = args.redis_url or read_server_url(redis_dir(args.run_dir))
         if args.run is None and args.run_dir is None:
             raise ValueError("--redis-url needs --run RUN, the run whose buffer to inspect")
         run = args.run or Path(args.run_dir).name
         with ReplayBuffer(url, run) as buffer:
             runs = buffer.runs()
+            if run not in runs and state in ("starting", "running"):
+                raise ValueError(f"run {run} has pushed nothing yet (state: {state}); try again")
             if run not in runs:  # not a buffer of zeros: there is none
                 raise ValueError(
                     f"no run {run!r} in the buffer at {buffer.url_for_display}; runs there: "
@@ -104,6 +114,15 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             value = ", ".join(f"v{k}: {n}" for k, n in value.items()) or "-"
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _run_state(run_dir: str) -> str | None:
+    """The state in a run directory's status.json (None if there is none to read)."""
+    try:
+        state = json.loads((Path(run_dir) / "status.json").read_text()).get("state")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(state) if state is not None else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -149,12 +149,26 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
         out = staleflow("buffer", "stats", "--run-dir", str(run_dir), "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["pushed"] == 1
+        # a run that has just started and pushed nothing yet is not "no such run"
+        starting = tmp_path / "starting"
+        (starting / "status.json").parent.mkdir()
+        (starting / "status.json").write_text('{"state": "starting"}')
+        (starting / "redis").symlink_to(redis_dir(run_dir))
+        out = staleflow("buffer", "stats", "--run-dir", str(starting))
+        assert out.returncode == 2
+        assert "run starting has pushed nothing yet (state: starting)" in out.stderr
 
 
 def test_buffer_stats_errors_are_clear(tmp_path):
     out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
     assert out.returncode == 2
     assert "no embedded Redis server recorded" in out.stderr
+    # a finished run: its server stopped with it; say where its final counts are
+    (tmp_path / "status.json").write_text('{"state": "completed"}')
+    out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "is not running (state: completed): its embedded Redis stopped" in out.stderr
+    assert str(tmp_path / "summary.json") in out.stderr
     out = staleflow("buffer", "stats", "--redis-url", "redis://:pw@127.0.0.1:1/0")
     assert out.returncode == 2
     assert "--run" in out.stderr
