@@ -377,7 +377,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         run = RunDir(args.run_dir).check_exists()
     except FileNotFoundError as exc:
         return _fail(str(exc))
-    status = json.loads(run.status.read_text()) if run.status.is_file() else {}
+    status = _read_status(run.status)
     if status.get("state") not in ("starting", "running"):
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
     if args.workers < 1:
@@ -385,7 +385,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
     if args.timeout < 0:  # 0: leave the request and do not wait
         return _fail(f"--timeout must be 0 or more, got {args.timeout:g}")
     driver = status.get("driver") or {}
-    if driver.get("host") == socket.gethostname() and not _pid_alive(int(driver["pid"])):
+    pid = driver.get("pid") if isinstance(driver, dict) else None
+    if driver.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
         return _fail(
             f"run {run.path.name}'s driver (pid {driver['pid']}) is gone, though its status "
             f"still says {status['state']} (killed?); continue it with staleflow train "
@@ -407,7 +408,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         refusal = run.worker_refusal(args.workers)
         if refusal:
             return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
-        status = json.loads(run.status.read_text())
+        status = _read_status(run.status)
         if status.get("workers") == args.workers and not (run.control / "scale.json").exists():
             print(f"run {run.path.name}: {args.workers} rollout workers")
             return 0
@@ -415,6 +416,16 @@ def cmd_scale(args: argparse.Namespace) -> int:
         f"the driver did not confirm {args.workers} workers within {args.timeout:.0f} s; the "
         f"request stays in {run.control} and is applied at the driver's next event"
     )
+
+
+def _read_status(path: Path) -> dict[str, Any]:
+    """A run's status.json; {} if it is missing or cannot be read (the driver writes it
+    atomically, so only a damaged file is unreadable: treated as no status at all)."""
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -534,7 +545,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         results = {}
     if not (sweep.directory / "sweep.json").is_file():
         return _fail(f"{sweep.directory} has no cells yet; run the sweep first")
-    report = write_sweep_report(sweep.directory)
+    try:
+        report = write_sweep_report(sweep.directory)
+    except ConfigError as exc:  # a damaged sweep.json (SweepError)
+        return _fail(str(exc))
     print((sweep.directory / "summary.md").read_text(), end="")
     print(f"report: {report}")
     if any(s == "interrupted" for s in results.values()):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from staleflow.cluster.rundir import RunDir, read_metrics
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["write_report"]
 
@@ -141,7 +144,11 @@ def write_report(run: RunDir) -> Path:
     workers_ax.set_xlabel("learner step")
     _save(fig, run.plots / "timeline.png")
 
-    summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+    try:
+        summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+    except ValueError as exc:  # a damaged file: the plots still come from metrics.jsonl
+        logger.warning("%s cannot be read (%s): the report has no summary", run.summary, exc)
+        summary = {}
     config = run.config.read_text() if run.config.is_file() else "{}"
     run.report.write_text(_html(run, summary, config, len(steps)))
     return run.report

@@ -44,6 +44,7 @@ from typing import Any
 
 import yaml
 
+from staleflow.cluster.rundir import write_text
 from staleflow.configs.loader import ConfigError
 
 __all__ = [
@@ -272,7 +273,8 @@ def run_sweep(
     """Run every cell not yet completed; returns cell -> final status. Stops after a cell
     that was interrupted (Ctrl-C): run the same command again to resume."""
     sweep.runs.mkdir(parents=True, exist_ok=True)
-    (sweep.directory / "sweep.json").write_text(
+    write_text(  # atomically: --report-only reads it
+        sweep.directory / "sweep.json",
         json.dumps(
             {
                 "source": str(sweep.source),
@@ -288,7 +290,7 @@ def run_sweep(
             },
             indent=2,
         )
-        + "\n"
+        + "\n",
     )
     results: dict[str, str] = {}
     todo = []

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from staleflow.cluster.rundir import read_metrics
-from staleflow.cluster.sweep import run_status
+from staleflow.cluster.sweep import SweepError, run_status
 
 __all__ = ["COLLAPSE_DROP", "TAIL_STEPS", "Curve", "summarize", "write_sweep_report"]
 
@@ -99,7 +99,18 @@ def summarize(curve: Curve, threshold: float) -> dict[str, Any]:
 
 
 def _load(directory: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    spec = json.loads((directory / "sweep.json").read_text())
+    path = directory / "sweep.json"
+    try:
+        spec = json.loads(path.read_text())
+        if not isinstance(spec, dict) or not {"cells", "threshold"} <= spec.keys():
+            raise ValueError("no cells or threshold in it")
+    except FileNotFoundError:
+        raise SweepError(f"{path} not found: run the sweep first (without --report-only)") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SweepError(
+            f"{path} cannot be read ({type(exc).__name__}: {exc}); run the sweep again "
+            "without --report-only: it rewrites the file and skips the completed cells"
+        ) from None
     records = {}
     for cell in spec["cells"]:  # completed cells only: a half-run cell would skew the means
         run = directory / "runs" / cell["name"]

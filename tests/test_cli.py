@@ -319,3 +319,24 @@ def test_scale_of_a_run_whose_driver_is_gone_says_so_at_once(tmp_path):
     out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "-1")
     assert out.returncode == 2
     assert "--timeout must be 0 or more, got -1" in out.stderr
+
+
+def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import dump_config, load_config
+
+    run = RunDir.create(str(tmp_path), "damaged")
+    run.config.write_text(dump_config(load_config(REPO / "configs/tiny.yaml")))
+    run.status.write_text("")  # torn
+    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "0")
+    assert out.returncode == 2
+    assert "is not running (state: None)" in out.stderr
+    assert "Traceback" not in out.stderr
+    run.status.write_text(json.dumps({"state": "running", "driver": {}}))  # no host, no pid
+    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "0")
+    assert "Traceback" not in out.stderr
+    run.summary.write_text('{"status": "compl')  # torn
+    out = staleflow("report", str(run.path))
+    assert out.returncode == 0, out.stderr
+    assert "cannot be read" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -90,6 +90,15 @@ def test_bad_sweep_files_are_refused_with_the_reason(tmp_path, body, message):
         load_sweep(sweep_file(tmp_path, body))
 
 
+def test_a_damaged_sweep_json_is_named_with_the_fix(tmp_path):
+    (tmp_path / "sweep.json").write_text('{"cells": [')  # torn
+    with pytest.raises(SweepError, match=r"sweep\.json cannot be read .*run the sweep again"):
+        write_sweep_report(tmp_path)
+    (tmp_path / "sweep.json").write_text("[]")
+    with pytest.raises(SweepError, match="no cells or threshold"):
+        write_sweep_report(tmp_path)
+
+
 def test_missing_files_are_named(tmp_path):
     with pytest.raises(SweepError, match="sweep file not found"):
         load_sweep(tmp_path / "nope.yaml")
