@@ -337,9 +337,10 @@ def _stderr_warnings() -> logging.Handler:
 def _print_summary(run: Any, summary: dict[str, Any]) -> None:
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     groups = summary.get("groups", {})
+    wall = float(summary.get("wall_s", 0))
+    took = f"{wall:.0f} s" if wall < 60 else f"{wall / 60:.1f} min"
     lines = [
-        f"run {summary['run_id']}: {summary['status']} after {summary['steps']} steps "
-        f"in {summary.get('wall_s', 0) / 60:.1f} min",
+        f"run {summary['run_id']}: {summary['status']} after {summary['steps']} steps in {took}"
     ]
     if before is not None and after is not None:
         lines.append(

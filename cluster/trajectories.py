@@ -171,6 +171,8 @@ def replay(
     from staleflow.configs import parse_config
     from staleflow.learner.learner import Learner
 
+    if steps is not None and steps < 1:
+        raise ReplayError(f"--steps must be at least 1, got {steps}")
     run = RunDir(Path(run_dir)).check_exists()
     cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
     recorded, groups = read_trajectories(run.trajectories)

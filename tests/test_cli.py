@@ -340,3 +340,9 @@ def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "cannot be read" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_replay_refuses_steps_below_one(tmp_path):
+    out = staleflow("replay", str(tmp_path), "--steps", "0")
+    assert out.returncode == 2
+    assert "--steps must be at least 1, got 0" in out.stderr
