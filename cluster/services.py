@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from staleflow.configs.loader import redact
+from staleflow.configs.loader import redact, redact_url
 
 __all__ = ["REDIS_URL_ENV", "Services", "redis_url_from_env"]
 
@@ -245,9 +245,7 @@ def redis_url_from_env() -> str | None:
     problem = redis_url_problem(url) if url is not None else None
     if url is not None and problem:
         raise ValueError(
-            redact(
-                f"${REDIS_URL_ENV} {problem} (got {url!r}); fix it, or unset it to use the "
-                "embedded server"
-            )
+            f"${REDIS_URL_ENV} {problem} (got {redact_url(url)!r}); fix it, or unset it to use "
+            "the embedded server"
         )
     return url

@@ -32,12 +32,11 @@ __all__ = [
 ]
 
 Loc = tuple[str, ...]
-# up to the netloc's last '@', where redis-py (urlparse) ends the password: a password with
-# an '@' in it is masked whole
-# user:password@ in a URL, with or without its scheme (a URL given without one is reported
-# back in the error), and a password passed as a query option (?password=...).
-_URL_PASSWORD = re.compile(r"((?:\w+://)?[^\s:/@'\"]*:)[^\s/?#'\"]*@")
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s'\"]*", re.I)
+# The password of scheme://user:password@host: masked up to the last '@' before the next
+# whitespace, so a password holding '@', '/', '#', '?' or quotes (unencoded) is masked whole
+# (redis-py ends it at the netloc's last '@'). And a password given as a query option.
+_URL_PASSWORD = re.compile(r"(\w+://[^\s:/@]*:)\S*@")
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s]*", re.I)
 
 
 class ConfigError(ValueError):
@@ -77,9 +76,11 @@ def apply_overrides(
 ) -> dict[str, Any]:
     """Return a copy of `data` with each "dotted.key=value" applied (value parsed as YAML)."""
     data = _deep_copy(data)
-    for item in overrides:
-        key, sep, raw = item.partition("=")
+    for given in overrides:
+        key, sep, raw = given.partition("=")
         loc = tuple(key.strip().split("."))
+        # as errors show it: a URL's password masked even without its scheme
+        item = f"{key}={redact_url(raw)}" if key.strip().endswith("url") else given
         if not sep or not all(loc):
             raise ConfigError(
                 f"override {item!r} is not of the form section.key=value "
@@ -108,8 +109,21 @@ def apply_overrides(
 
 def redact(text: str) -> str:
     """Mask the password of every URL in `text` (scheme://user:password@host -> user:***@,
-    also without the scheme, and ?password=... -> ?password=***)."""
+    ?password=... -> ?password=***). Only URLs with a scheme: in free text `a:b@c` is not
+    always a credential (a path may hold one); see `redact_url` for a value known to be a URL."""
     return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+def redact_url(url: str) -> str:
+    """`url`, a value given as a URL (possibly without its scheme, or malformed), with any
+    password masked: everything between the user name and the last '@'."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    userinfo, at, host = rest.rpartition("@")
+    if at and ":" in userinfo:
+        rest = f"{userinfo.split(':', 1)[0]}:***@{host}"
+    return redact(f"{scheme}{sep}{rest}")
 
 
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,9 +177,10 @@ def _describe(
             msg = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
             show_input = False
             name = (_node_at(data, loc[:-1]) or {}).get("name") if len(loc) > 1 else None
-            if (*loc[:-1], "name") in origins and origins[(*loc[:-1], "name")].startswith(
-                "override "
-            ):  # a preset switched by override keeps the file's keys of the old one
+            name_origin = origins.get((*loc[:-1], "name"), "")
+            key_origin = origins.get(loc, "")
+            if name_origin.startswith("override ") and not key_origin.startswith("override "):
+                # a preset switched by override keeps the file's keys of the old one
                 section = ".".join(loc[:-1])
                 msg += (
                     f" (the override of {section}.name keeps the file's other {section} keys, "
@@ -200,7 +215,10 @@ def _describe(
             if sep and key in (_node_at(data, loc) or {}):
                 loc, msg = (*loc, key), rest
         if show_input and err.get("input") is not None:
-            msg += f" (got {err['input']!r})"
+            value = err["input"]
+            if isinstance(value, str) and loc and loc[-1].endswith("url"):
+                value = redact_url(value)  # a URL, maybe without its scheme: mask it as one
+            msg += f" (got {value!r})"
         where = _where(loc, data, origins) or source
         out.append(redact(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}"))
     return "\n".join(out)

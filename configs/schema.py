@@ -300,6 +300,11 @@ def redis_url_problem(url: str) -> str | None:
     parts = urlsplit(url)
     if url.startswith("unix://"):
         return None if parts.path else "needs the socket's path, e.g. unix:///run/redis.sock"
+    if "@" in url.partition("://")[2] and "@" not in parts.netloc:
+        return (
+            "has its password cut short by a '/', '?' or '#' in it: percent-encode those "
+            "(e.g. / as %2F)"
+        )
     try:
         port = parts.port
     except ValueError:  # not a number, or out of range

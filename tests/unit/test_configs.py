@@ -149,6 +149,11 @@ def test_switching_the_loss_preset_by_override_says_how(tmp_path):
         ConfigError, match=r"learner.loss is a section, not a value.*loss.name=grpo"
     ):
         load_config(path, ["learner.loss=grpo"])
+    # an unknown key given by override itself is only that: no hint about the file's keys
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["learner.loss.name=grpo", "learner.loss.regularizer_coef=1"])
+    assert "learner.loss.regularizer_coef: unknown key" in str(err.value)
+    assert "replace the section" not in str(err.value)
 
 
 def test_bad_value_from_an_override_names_the_override():
@@ -296,6 +301,8 @@ def test_the_paper_configs_off_policy_columns_each_pass_the_start_checks():
         "http://default:s3cret@host:6379",
         "redis://:s3cret@host:99999/0",
         "redis://host:99999/0?password=s3cret",  # redis-py reads a password from the query too
+        "redis://:s3'cret@host:99999",  # a quote in it
+        "redis://:s3/cret@host:6379/0",  # an unencoded '/': refused, still masked whole
     ],
 )
 def test_a_refused_url_does_not_print_its_password(url):
@@ -304,6 +311,20 @@ def test_a_refused_url_does_not_print_its_password(url):
     assert "s3cret" not in str(err.value)
     assert "buffer.redis_url" in str(err.value)
     assert str(err.value).count("(got ") == 1  # the value once, masked
+
+
+def test_an_unencoded_slash_in_a_password_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"password cut short .* percent-encode"):
+        parse_config(MINIMAL, ["buffer.redis_url=redis://:ab/cd@host:6379/0"])
+    assert parse_config(MINIMAL, ["buffer.redis_url=redis://:ab%2Fcd@host:6379/0"])
+
+
+def test_masking_leaves_values_that_only_look_like_credentials():
+    # config.json is written through redact(): a path with ':' and '@' in it must survive
+    from staleflow.configs.loader import redact
+
+    cfg = parse_config("model: {path: /models/team:nlp@v2/ckpt}\n")
+    assert "/models/team:nlp@v2/ckpt" in redact(dump_config(cfg))
 
 
 def test_a_query_password_is_masked():
