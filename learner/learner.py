@@ -119,8 +119,13 @@ def _response_stats(
     taken: Tensor = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     log_z = torch.logsumexp(logits, dim=-1)
     logp = taken - log_z
-    # H = -sum p (logit - log Z) = log Z - sum p * logit: no second [N, T, V] log-softmax
-    ent = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1) if entropy else None
+    ent = None
+    if entropy:
+        # H = -sum p (logit - log Z) = log Z - sum p * logit: no second [N, T, V] log-softmax.
+        # A -inf logit (a masked token, or an overflow at low temperature) has p = 0 and adds
+        # nothing, but 0 * -inf is NaN, in the value and in the gradient: count it as 0.
+        finite = logits.masked_fill(torch.isneginf(logits), 0.0)
+        ent = log_z - (torch.softmax(logits, dim=-1) * finite).sum(-1)
     if first == 0:
         return logp, ent
     pad = logp.new_zeros(n, first)

@@ -347,6 +347,14 @@ def test_response_entropy_by_hand():
     assert float(entropy[0, 0]) == 0.0  # a prompt position: never computed
     torch.testing.assert_close(logp, response_logprobs(model, batch, 2.0))
 
+    # a fourth token at -inf (masked out) has p = 0: the same H, and a finite gradient
+    masked = _FixedLogits([0.0, 0.0, 2 * math.log(2), -math.inf])
+    masked.logits.requires_grad_(True)
+    _, h = response_logprobs_entropy(masked, batch, 2.0)
+    torch.testing.assert_close(h[0, 1:], torch.full((2,), 1.5 * math.log(2)))
+    h[0, 1:].sum().backward()
+    assert bool(torch.isfinite(masked.logits.grad).all())
+
 
 def test_entropy_bonus_is_the_exact_entropy_with_its_gradient():
     # learner.loss.entropy_coef > 0 used to be accepted and then fail the first step (the
