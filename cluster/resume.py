@@ -245,16 +245,21 @@ class Resume:
 
 
 def check_steps_left(run: RunDir, steps: int) -> None:
-    """Refuse to resume a run whose last checkpoint already holds `steps` (run.steps) steps:
-    there is nothing to train, and a resume would only rewrite its files. A checkpoint that
-    cannot be read is left for load_resume to report."""
+    """Refuse to resume a run with nothing left to do: its last checkpoint holds more than
+    `steps` (run.steps) steps, or exactly that many and the run completed (a run stopped
+    during its last step still needs its final evaluation and summary). A resume would only
+    rewrite its files. A checkpoint that cannot be read is left for load_resume to report."""
     path = run.latest_checkpoint()
     try:
         done = int(json.loads((path / "trainer.json").read_text())["extra"]["driver"]["flow"]
                    ["steps"]) if path is not None else 0  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if done >= steps:
+    try:
+        completed = json.loads(run.summary.read_text()).get("status") == "completed"
+    except (OSError, ValueError, AttributeError):
+        completed = False
+    if done > steps or (done == steps and completed):
         raise ResumeError(
             f"{run.path} has already trained {done} steps, and run.steps is {steps}: nothing "
             f"to resume; to train it further, give run.steps=N with N > {done}"

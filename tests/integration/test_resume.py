@@ -14,7 +14,12 @@ import textwrap
 import pytest
 
 from staleflow.cluster.driver import Driver
-from staleflow.cluster.resume import ResumeError, load_resume, resume_overrides_allowed
+from staleflow.cluster.resume import (
+    ResumeError,
+    check_steps_left,
+    load_resume,
+    resume_overrides_allowed,
+)
 from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag, rollout_version
 from staleflow.configs import parse_config
@@ -353,6 +358,24 @@ def test_ctrl_c_mid_batch_then_resume_redoes_it_with_its_older_weights(tmp_path,
     assert [r["step"] for r in steps] == list(range(1, 6))
     for r in steps:
         assert r["lag_min"] == r["lag_max"] == lag(r["step"], 1, 1)
+
+
+def test_a_run_stopped_during_its_last_step_may_still_resume(tmp_path):
+    # Ctrl-C or SIGTERM during the last step: the step finishes and is checkpointed, but the
+    # final evaluation never ran; a resume does it. Only a completed run has nothing left.
+    run = RunDir.create(str(tmp_path), "last")
+    last = run.checkpoints / "step-000005"
+    last.mkdir(parents=True)
+    (last / "trainer.json").write_text(json.dumps({"extra": {"driver": {"flow": {"steps": 5}}}}))
+    run.mark_latest_checkpoint(last)
+    run.summary.write_text(json.dumps({"status": "interrupted", "steps": 5}))
+    check_steps_left(run, 5)  # allowed
+    with pytest.raises(ResumeError, match=r"already trained 5 steps, and run\.steps is 4"):
+        check_steps_left(run, 4)
+    run.summary.write_text(json.dumps({"status": "completed", "steps": 5}))
+    with pytest.raises(ResumeError, match="already trained 5 steps"):
+        check_steps_left(run, 5)
+    check_steps_left(run, 6)
 
 
 def _train_resume(tmp_path, run) -> tuple[int, str]:
