@@ -89,7 +89,7 @@ def config_reference() -> str:
         *_reference_table("learner.loss", LossPreset.model_fields.items()),
     ]
     for name, preset in LOSS_PRESETS.items():
-        doc = (preset.__doc__ or "").strip().splitlines()[0]
+        doc = next(iter((preset.__doc__ or "").strip().splitlines()), "")
         own = [
             (key, field)
             for key, field in preset.model_fields.items()

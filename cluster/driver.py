@@ -77,6 +77,7 @@ class Driver(CheckpointMixin):
         self.accuracy: dict[int, float] = {}
         self.stop_requested = False
         self.stop_signal: str | None = None  # the signal that asked for the stop, by name
+        self._finishing = False  # in _finish: a stop signal no longer interrupts
         self.started = time.time()
         self.services = Services(self.cfg, self.rundir, self.address)
         self.metrics: Any = None  # MetricsWriter, once started
@@ -334,16 +335,14 @@ class Driver(CheckpointMixin):
         The first SIGINT (Ctrl-C) or SIGTERM (what `kill`, Slurm, Kubernetes and `ray job
         stop` send) asks for a clean stop at the next event: the step in flight finishes and
         is acked, then checkpoint, summary, report, Ray and Redis go down. A second one
-        interrupts at once (cleanup still runs)."""
+        interrupts at once; cleanup (checkpoint, summary, shutdown) then runs to its end, and
+        signals during it are only logged."""
         previous = {
             sig: signal.signal(sig, self._on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }
         status = "failed"
         try:
-            self._start()
-            # ray.init installs SIGTERM handlers of its own (a Python one that exits, then the
-            # core worker's, which aborts the process): take SIGTERM back once Ray is up.
-            signal.signal(signal.SIGTERM, self._on_stop_signal)
+            self._start()  # (start_ray keeps this SIGTERM handler through ray.init)
             while self.step < self.cfg.run.steps and not self.stop_requested:
                 self._tick()
                 self._wait()
@@ -366,12 +365,22 @@ class Driver(CheckpointMixin):
             logger.error("the run failed: %s", self.error)
             raise
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            summary = self._finish(status)
+            self._finishing = True
+            try:
+                summary = self._finish(status)
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
         return summary
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        if self._finishing:  # checkpoint, summary and shutdown must not be cut short
+            logger.warning(
+                "%s: already stopping (checkpoint, summary, shutdown of Ray and Redis); "
+                "kill -9 would skip that",
+                signal.Signals(signum).name,
+            )
+            return
         if self.stop_requested:
             raise KeyboardInterrupt
         self.stop_requested = True
@@ -428,7 +437,10 @@ class Driver(CheckpointMixin):
         cfg = self.cfg  # `staleflow scale` refuses the same
         refusal = ipc_scale_refusal(cfg.sync.method, cfg.rollout.num_workers, n)
         if refusal is None and n > len(self.pool.active):
-            refusal = scale_placement_refusal(cfg, n)
+            try:
+                refusal = scale_placement_refusal(cfg, n)
+            except Exception as exc:  # the cluster's state could not be read (GCS busy)
+                refusal = f"could not read the cluster's nodes ({exc!r}); ask again"
         if refusal:
             logger.error("not scaling to %d rollout workers: %s", n, refusal)
             self.rundir.refuse_workers(n, refusal)

@@ -14,7 +14,9 @@ import logging
 import math
 import os
 import re
+import signal
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,6 +57,25 @@ def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) 
     CPUs are a scheduling count: the OS shares the cores)."""
     if ray.is_initialized():
         return
+    with _keeping_sigterm_handler():
+        _start_ray(address, cfg, log_to_driver)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm_handler() -> Any:
+    """ray.init replaces the process's SIGTERM handling (a Python handler that exits, then the
+    core worker's, which aborts): a caller's own Python handler (the driver's clean stop) is
+    put back once Ray is up. A process without one keeps Ray's."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if callable(previous):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "include_dashboard": False}
     if address:

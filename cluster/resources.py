@@ -159,18 +159,24 @@ def check_custom_resources(cfg: Any, available: dict[str, float]) -> None:
                 )
 
 
-def fit(requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity]) -> None:
+def fit(
+    requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity], hint: str | None = None
+) -> None:
     """Place `requests` (largest GPU share first) on `nodes`; raise PlacementError naming the
-    first actor that does not fit, what the run asks and what the cluster has."""
+    first actor that does not fit, what the run asks and what the cluster has, and `hint`
+    (default: which config keys to change)."""
     free = [NodeCapacity(n.name, n.cpus, list(n.gpus), dict(n.custom)) for n in nodes]
     order = sorted(requests, key=lambda r: (-r.gpus, -r.cpus))
     for request in order:
         if not any(node.take(request) for node in free):
-            raise PlacementError(_refusal(request, requests, nodes))
+            raise PlacementError(_refusal(request, requests, nodes, hint))
 
 
 def _refusal(
-    failed: ActorRequest, requests: Sequence[ActorRequest], nodes: Sequence[NodeCapacity]
+    failed: ActorRequest,
+    requests: Sequence[ActorRequest],
+    nodes: Sequence[NodeCapacity],
+    hint: str | None = None,
 ) -> str:
     asked = {}
     for r in requests:
@@ -190,8 +196,18 @@ def _refusal(
         for n in nodes
     )
     has = has or "no nodes"
+    hint = hint if hint is not None else _config_hint(failed)
+    return (
+        f"the cluster cannot hold this run: {failed.role} ({failed.cpus:g} CPU, "
+        f"{failed.gpus:g} GPU{custom}) fits on no node. The run asks for {wants} = "
+        f"{total_cpu:g} CPU, {total_gpu:g} GPU; the cluster has {has}. {hint}."
+    )
+
+
+def _config_hint(failed: ActorRequest) -> str:
+    """Which config keys to change when `failed` fits on no node."""
     if failed.kind == IPC_BUNDLE:
-        hint = (
+        return (
             "sync.method: ipc keeps learner rank 0 and every rollout worker in one placement "
             "group bundle, so they need one node"
             + (" and one GPU (their shares must add up to at most 1)" if failed.gpus else "")
@@ -200,19 +216,13 @@ def _refusal(
             + (" or the GPU shares" if failed.gpus else "")
             + ", or use sync.method: ray"
         )
-    elif failed.gpus > 0:
-        hint = (
+    if failed.gpus > 0:
+        return (
             "GPU shares placed on one GPU must add up to at most 1 (e.g. learner.gpus_per_rank="
             "0.5 with two workers at rollout.gpus_per_worker=0.25), or add GPUs"
         )
-    else:
-        hint = "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes" + (
-            " (with the custom resources asked)" if failed.custom else ""
-        )
-    return (
-        f"the cluster cannot hold this run: {failed.role} ({failed.cpus:g} CPU, "
-        f"{failed.gpus:g} GPU{custom}) fits on no node. The run asks for {wants} = "
-        f"{total_cpu:g} CPU, {total_gpu:g} GPU; the cluster has {has}. {hint}."
+    return "lower rollout.num_workers or rollout.cpus_per_worker, or add nodes" + (
+        " (with the custom resources asked)" if failed.custom else ""
     )
 
 
@@ -236,9 +246,9 @@ def scale_placement_refusal(cfg: Any, n: int) -> str | None:
     new workers pending, and batches handed to them would wait for rollout.batch_timeout_s."""
     scaled = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_workers": n})})
     try:
-        fit(run_requests(scaled), cluster_nodes())
+        fit(run_requests(scaled), cluster_nodes(), hint="ask for fewer workers, or add nodes first")
     except PlacementError as exc:
-        return str(exc).replace("lower rollout.num_workers", "ask for fewer workers")
+        return str(exc)
     return None
 
 

@@ -393,7 +393,12 @@ def _run_processes(
                         continue
                     out.close()
                     del running[name]
-                    status = {0: "completed", 130: "interrupted"}.get(proc.returncode, "failed")
+                    # `staleflow train` exits 128 + the signal that stopped it cleanly
+                    stopped = {128 + signal.SIGINT, 128 + signal.SIGTERM}
+                    status = (
+                        "completed" if proc.returncode == 0
+                        else "interrupted" if proc.returncode in stopped else "failed"
+                    )  # fmt: skip
                     results[name] = status
                     if on_cell is not None:
                         on_cell(cell, status, read_summary(sweep.runs / cell.name))
