@@ -204,6 +204,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.workers is not None:
+        if args.workers < 1:  # named as the flag the user typed, not as the override
+            return _fail(f"--workers must be at least 1, got {args.workers}")
         overrides.append(f"rollout.num_workers={args.workers}")
     resume = getattr(args, "resume", None)
     try:

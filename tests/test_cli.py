@@ -346,3 +346,9 @@ def test_replay_refuses_steps_below_one(tmp_path):
     out = staleflow("replay", str(tmp_path), "--steps", "0")
     assert out.returncode == 2
     assert "--steps must be at least 1, got 0" in out.stderr
+
+
+def test_train_workers_flag_below_one_is_named_as_the_flag():
+    out = staleflow("train", "configs/tiny.yaml", "--workers", "0")
+    assert out.returncode == 2
+    assert "--workers must be at least 1, got 0" in out.stderr
