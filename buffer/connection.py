@@ -49,7 +49,7 @@ class _RetryUnlessRefused(Retry):
         with_failure_count: bool = False,
     ) -> R:
         def retryable(error: Exception) -> bool:
-            if isinstance(error, redis.AuthenticationError):
+            if isinstance(error, redis.AuthenticationError) or _unknown_host(error):
                 return False
             timeout = isinstance(error, redis.TimeoutError | socket.timeout)
             if self.tls_target and timeout and not self._probed:
@@ -64,6 +64,13 @@ class _RetryUnlessRefused(Retry):
             return is_retryable is None or is_retryable(error)
 
         return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
+def _unknown_host(error: BaseException) -> bool:
+    """A connection error whose cause is a host name that does not resolve (EAI_NONAME: no
+    such name, not the transient EAI_AGAIN): retrying it only delays the error ~10 s."""
+    cause = error.__cause__ or error.__context__
+    return isinstance(cause, socket.gaierror) and cause.errno == socket.EAI_NONAME
 
 
 def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> redis.Redis:
@@ -182,6 +189,11 @@ def translate_errors(method: Callable[P, R]) -> Callable[P, R]:
                 "redis://...:port/0"
             ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if _unknown_host(exc):
+                raise BufferConnectionError(
+                    f"Redis at {where}: its host name does not resolve ({exc}); check the host "
+                    "in the URL"
+                ) from exc
             tls = ""
             if where.startswith("rediss://") and "timeout" in str(exc).lower():
                 tls = (

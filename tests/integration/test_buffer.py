@@ -6,6 +6,7 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -805,6 +806,22 @@ def test_undecodable_entries_are_quarantined_not_lost(redis_url):
     assert entry[1][b"g"] == b"\x93garbage"
     assert b"invalid group record" in entry[1][b"error"]
     assert buffer.stats().dropped_invalid == 1
+
+
+def test_a_host_name_that_does_not_resolve_fails_at_once():
+    # retrying a name that does not exist only delayed the error (~9 s of backoff)
+    host = "nosuchhost.invalid"  # RFC 2606: never resolves
+    try:
+        socket.getaddrinfo(host, 6379)
+    except socket.gaierror as exc:
+        if exc.errno != socket.EAI_NONAME:
+            pytest.skip(f"this machine's resolver answers {exc} (not 'no such name')")
+    buffer = ReplayBuffer(f"redis://:hunter2@{host}:6379/0", "run")
+    start = time.monotonic()
+    with pytest.raises(BufferConnectionError, match="its host name does not resolve") as err:
+        buffer.push(group())
+    assert time.monotonic() - start < 5  # not retried
+    assert "hunter2" not in str(err.value)
 
 
 def test_unreachable_redis_gives_a_clear_error_with_the_password_masked():
