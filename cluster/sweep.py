@@ -45,7 +45,7 @@ from typing import Any
 import yaml
 
 from staleflow.cluster.rundir import write_text
-from staleflow.configs.loader import ConfigError
+from staleflow.configs.loader import ConfigError, named_text
 
 __all__ = [
     "Cell", "Sweep", "SweepError", "cell_status", "load_sweep", "read_summary", "run_status",
@@ -150,7 +150,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
     """Read and check a sweep file; every cell's config is validated before anything runs."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.safe_load(named_text(path.read_text(encoding="utf-8"), str(path)))
     except FileNotFoundError:
         raise SweepError(f"sweep file not found: {path}") from None
     except (OSError, yaml.YAMLError) as exc:

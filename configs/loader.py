@@ -10,6 +10,7 @@ section's own check names the section's line and the overrides of keys inside it
 
 from __future__ import annotations
 
+import io
 import re
 import types
 import typing
@@ -126,6 +127,14 @@ def redact_url(url: str) -> str:
     return redact(f"{scheme}{sep}{rest}")
 
 
+def named_text(text: str, name: str) -> io.StringIO:
+    """`text` as a stream named `name`, so that PyYAML's errors say `in "run.yaml", line 4`
+    rather than `in "<unicode string>"`."""
+    stream = io.StringIO(text)
+    stream.name = name  # PyYAML reads a file-like stream's name
+    return stream
+
+
 def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
@@ -133,8 +142,8 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
 def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
     """Parse the document and record the 1-based line of every key."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root = yaml.compose(named_text(text, source), Loader=yaml.SafeLoader)
+        data = yaml.safe_load(named_text(text, source))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source

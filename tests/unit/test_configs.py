@@ -359,6 +359,8 @@ def test_a_yaml_error_on_a_line_with_a_password_does_not_print_it(tmp_path):
     with pytest.raises(ConfigError, match="not valid YAML") as err:
         load_config(write(tmp_path, text))
     assert "s3cr3t" not in str(err.value)
+    # PyYAML names the file, not "<unicode string>"
+    assert f'in "{tmp_path / "run.yaml"}", line' in str(err.value)
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,7 @@ grid:
         ("grid: {a: [1]}\ncolour: red\n", r"unknown key\(s\) \['colour'\]"),
         ("grid: {sync: 3}\n", "give a list of values"),
         ("grid: {run.seed: []}\n", "empty"),
+        ("grid: {a: [\n", r'in ".*s\.yaml", line 3'),  # the file and line, not <unicode string>
         ("grid: {sync: {x: [1, 2]}}\n", "expected a mapping of dotted config keys"),
         ("grid: {run.seed: [0]}\ncolumns: sync\n", "columns: 'sync' is not an axis"),
         ("grid: {run.seed: [0]}\nthreshold: high\n", "threshold: must be a number"),
