@@ -37,7 +37,13 @@ from staleflow.cluster.resources import ipc_scale_refusal, scale_placement_refus
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
 from staleflow.cluster.rollouts import Rollouts
 from staleflow.cluster.rundir import MetricsWriter, write_json, write_text
-from staleflow.cluster.schedule import Flow, Schedule, ScheduleError, check_schedule
+from staleflow.cluster.schedule import (
+    Flow,
+    Schedule,
+    ScheduleError,
+    check_schedule,
+    idle_workers_warning,
+)
 from staleflow.cluster.services import Services
 from staleflow.configs.loader import dump_config, redact
 
@@ -451,6 +457,9 @@ class Driver(CheckpointMixin):
             self._deferred_workers = n
             return
         added = n > len(self.pool.active)
+        idle = idle_workers_warning(cfg, n)
+        if idle and added:
+            logger.warning("%s", idle)
         self._scale(n)
         if self.sync.broadcasts and added:
             # new engines get the newest weights (async: any version runs) once the learner
@@ -480,6 +489,9 @@ class Driver(CheckpointMixin):
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard, purge_step=first)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
+        idle = idle_workers_warning(self.cfg, self.cfg.rollout.num_workers)
+        if idle:
+            logger.warning("%s", idle)
         self.services.start(resume=self.resume)
         self.learner.while_waiting = self._check_redis  # also during checkpoints and publishes
         self.rollouts = Rollouts(

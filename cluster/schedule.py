@@ -148,6 +148,19 @@ def async_least_lag(interval: int, batch: int, per_step: int) -> int:
     return interval - 1 + (r + batch - 1) // per_step
 
 
+def idle_workers_warning(cfg: Any, workers: int) -> str | None:
+    """Lock-step splits each rollout batch over the workers, one batch at a time: workers
+    beyond rollout.prompts_per_batch never get a prompt. Said, not refused."""
+    per_batch = cfg.rollout.prompts_per_batch
+    if cfg.sync.mode != "lockstep" or workers <= per_batch:
+        return None
+    return (
+        f"{workers} rollout workers, but lock-step splits each batch of {per_batch} prompts "
+        f"over them: {workers - per_batch} will stay idle (raise rollout.prompts_per_batch, "
+        "or use sync.mode: async, where each worker runs batches of its own)"
+    )
+
+
 def check_schedule(cfg: Any) -> None:
     """Reject schedules that would starve the learner or drop data by construction."""
     sync, buf, steps = cfg.sync, cfg.buffer, cfg.run.steps

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from staleflow.cluster.schedule import lag, rollout_version
+from staleflow.cluster.schedule import idle_workers_warning, lag, rollout_version
+from staleflow.configs import parse_config
 
 
 def lags(interval: int, offset: int, steps: int) -> list[int]:
@@ -59,3 +60,15 @@ def test_bad_arguments():
         rollout_version(0, 1, 0)
     with pytest.raises(ValueError, match="interval >= 1"):
         rollout_version(3, 0, 0)
+
+
+def test_lockstep_workers_beyond_a_batch_are_said_to_stay_idle():
+    lockstep = parse_config("model: {preset: tiny}\nrollout: {prompts_per_batch: 4}\n")
+    # each lock-step batch of 4 prompts is split over the workers: 10 - 4 = 6 get none
+    assert "6 will stay idle" in idle_workers_warning(lockstep, 10)
+    assert idle_workers_warning(lockstep, 4) is None
+    # async gives each idle worker a batch of its own
+    async_cfg = parse_config(
+        "model: {preset: tiny}\nrollout: {prompts_per_batch: 4}\nsync: {mode: async}\n"
+    )
+    assert idle_workers_warning(async_cfg, 10) is None
