@@ -118,10 +118,9 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
 
 def _run_state(run_dir: str) -> str | None:
     """The state in a run directory's status.json (None if there is none to read)."""
-    try:
-        state = json.loads((Path(run_dir) / "status.json").read_text()).get("state")
-    except (OSError, ValueError, AttributeError):
-        return None
+    from staleflow.cluster.rundir import RunDir, read_json_object
+
+    state = (read_json_object(RunDir(run_dir).status) or {}).get("state")
     return str(state) if state is not None else None
 
 

@@ -374,21 +374,22 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     from staleflow.cluster.resources import ipc_scale_refusal
-    from staleflow.cluster.rundir import RunDir
+    from staleflow.cluster.rundir import RunDir, read_json_object
 
     try:
         run = RunDir(args.run_dir).check_exists()
     except FileNotFoundError as exc:
         return _fail(str(exc))
-    status = _read_status(run.status)
+    status = read_json_object(run.status) or {}  # a damaged one counts as none
     if status.get("state") not in ("starting", "running"):
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
     if args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}")
     if args.timeout < 0:  # 0: leave the request and do not wait
         return _fail(f"--timeout must be 0 or more, got {args.timeout:g}")
-    driver = status.get("driver") or {}
-    pid = driver.get("pid") if isinstance(driver, dict) else None
+    driver = status.get("driver")
+    driver = driver if isinstance(driver, dict) else {}
+    pid = driver.get("pid")
     if driver.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
         return _fail(
             f"run {run.path.name}'s driver (pid {driver['pid']}) is gone, though its status "
@@ -403,7 +404,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
     refusal = ipc_scale_refusal(method, reserved, args.workers)
     if refusal:
         return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
-    (run.control / "scale-refused.json").unlink(missing_ok=True)  # an answer to an old request
     run.request_workers(args.workers)
     deadline = time.time() + args.timeout
     while time.time() < deadline:
@@ -411,7 +411,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         refusal = run.worker_refusal(args.workers)
         if refusal:
             return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
-        status = _read_status(run.status)
+        status = read_json_object(run.status) or {}
         if status.get("workers") == args.workers and not (run.control / "scale.json").exists():
             print(f"run {run.path.name}: {args.workers} rollout workers")
             return 0
@@ -419,16 +419,6 @@ def cmd_scale(args: argparse.Namespace) -> int:
         f"the driver did not confirm {args.workers} workers within {args.timeout:.0f} s; the "
         f"request stays in {run.control} and is applied at the driver's next event"
     )
-
-
-def _read_status(path: Path) -> dict[str, Any]:
-    """A run's status.json; {} if it is missing or cannot be read (the driver writes it
-    atomically, so only a damaged file is unreadable: treated as no status at all)."""
-    try:
-        status = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return status if isinstance(status, dict) else {}
 
 
 def cmd_eval(args: argparse.Namespace) -> int:

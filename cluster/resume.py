@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.cluster.ledger import Counts
-from staleflow.cluster.rundir import RunDir, read_metrics
+from staleflow.cluster.rundir import RunDir, read_json_object, read_metrics
 from staleflow.cluster.schedule import Flow
 from staleflow.configs.schema import SyncConfig
 
@@ -244,6 +244,21 @@ class Resume:
         return out
 
 
+def _driver_state(checkpoint: Path) -> dict[str, Any]:
+    """The driver's state saved in `checkpoint` (see `driver_state`); ResumeError if none."""
+    try:
+        state = json.loads((checkpoint / "trainer.json").read_text())["extra"]["driver"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ResumeError(
+            f"{checkpoint} holds no driver state ({type(exc).__name__}: {exc}); it was written "
+            "by an older staleflow or is damaged: start a new run from it with "
+            "model.path pointing at an exported model"
+        ) from None
+    if state.get("format") != STATE_FORMAT:
+        raise ResumeError(f"{checkpoint}: driver state format {state.get('format')!r} unknown")
+    return dict(state)
+
+
 def check_steps_left(run: RunDir, steps: int) -> None:
     """Refuse to resume a run with nothing left to do: its last checkpoint holds more than
     `steps` (run.steps) steps, or exactly that many and the run completed (a run stopped
@@ -251,14 +266,10 @@ def check_steps_left(run: RunDir, steps: int) -> None:
     rewrite its files. A checkpoint that cannot be read is left for load_resume to report."""
     path = run.latest_checkpoint()
     try:
-        done = int(json.loads((path / "trainer.json").read_text())["extra"]["driver"]["flow"]
-                   ["steps"]) if path is not None else 0  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError):
+        done = int(_driver_state(path)["flow"]["steps"]) if path is not None else 0
+    except (ResumeError, KeyError, TypeError, ValueError):
         return
-    try:
-        completed = json.loads(run.summary.read_text()).get("status") == "completed"
-    except (OSError, ValueError, AttributeError):
-        completed = False
+    completed = (read_json_object(run.summary) or {}).get("status") == "completed"
     if done > steps or (done == steps and completed):
         raise ResumeError(
             f"{run.path} has already trained {done} steps, and run.steps is {steps}: nothing "
@@ -278,17 +289,7 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
             )
         res = Resume(None, 0, Flow(), Counts(), P=cfg.rollout.prompts_per_batch)
     else:
-        try:
-            trainer = json.loads((path / "trainer.json").read_text())
-            state = trainer["extra"]["driver"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ResumeError(
-                f"{path} holds no driver state ({type(exc).__name__}: {exc}); it was written by "
-                "an older staleflow or is damaged: start a new run from it with "
-                "model.path pointing at an exported model"
-            ) from None
-        if state.get("format") != STATE_FORMAT:
-            raise ResumeError(f"{path}: driver state format {state.get('format')!r} unknown")
+        state = _driver_state(path)
         f = state["flow"]
         flow = Flow(
             steps=f["steps"], batches=f["batches"], batches_done=f["batches_done"],

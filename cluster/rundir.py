@@ -35,6 +35,16 @@ def write_json(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_jsonable) + "\n")
 
 
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """A JSON object file (status.json, summary.json, ...); None if it is missing, torn or
+    not an object. The driver writes them atomically, so only a damaged one is unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def write_text(path: Path, text: str) -> None:
     """Write atomically (a temporary file renamed over `path`)."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
@@ -104,7 +114,9 @@ class RunDir:
                 shutil.rmtree(old, ignore_errors=True)
 
     def request_workers(self, n: int) -> Path:
-        """Ask the running driver to scale to `n` rollout workers (see Driver._poll_control)."""
+        """Ask the running driver to scale to `n` rollout workers (see Driver._poll_control);
+        the driver's answer to an earlier request, if any, no longer applies."""
+        (self.control / "scale-refused.json").unlink(missing_ok=True)
         path = self.control / "scale.json"
         write_json(path, {"workers": n, "requested_at": time.time()})
         return path
@@ -115,10 +127,7 @@ class RunDir:
 
     def worker_refusal(self, n: int) -> str | None:
         """Why the driver refused to scale to `n` workers, if it did."""
-        try:
-            data = json.loads((self.control / "scale-refused.json").read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
+        data = read_json_object(self.control / "scale-refused.json") or {}
         return str(data.get("reason")) if data.get("workers") == n else None
 
     def take_worker_request(self) -> int | None:

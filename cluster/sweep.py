@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from staleflow.cluster.rundir import write_text
+from staleflow.cluster.rundir import read_json_object, write_text
 from staleflow.configs.loader import ConfigError, named_text
 
 __all__ = [
@@ -122,6 +122,10 @@ def _as_overrides(values: Any, where: str) -> tuple[str, ...]:
             raise SweepError(f"{where}: {key!r} is not a dotted config key like sync.interval")
         out.append(f"{key}={json.dumps(value)}")
     return tuple(out)
+
+
+# The exit statuses of a `staleflow train` stopped cleanly by a signal: 128 + the signal.
+_STOPPED_CLEANLY = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})
 
 
 def _label(value: Any) -> str:
@@ -236,11 +240,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
 
 def read_summary(run: Path) -> dict[str, Any] | None:
     """A run directory's summary.json, or None while it has none (or a torn one)."""
-    try:
-        data = json.loads((run / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return read_json_object(run / "summary.json")
 
 
 def run_status(run: Path) -> str:
@@ -393,11 +393,9 @@ def _run_processes(
                         continue
                     out.close()
                     del running[name]
-                    # `staleflow train` exits 128 + the signal that stopped it cleanly
-                    stopped = {128 + signal.SIGINT, 128 + signal.SIGTERM}
                     status = (
                         "completed" if proc.returncode == 0
-                        else "interrupted" if proc.returncode in stopped else "failed"
+                        else "interrupted" if proc.returncode in _STOPPED_CLEANLY else "failed"
                     )  # fmt: skip
                     results[name] = status
                     if on_cell is not None:

@@ -185,11 +185,11 @@ def _describe(
             valid = _valid_keys(err["loc"][:-1])
             msg = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
             show_input = False
-            name = (_node_at(data, loc[:-1]) or {}).get("name") if len(loc) > 1 else None
             name_origin = origins.get((*loc[:-1], "name"), "")
             key_origin = origins.get(loc, "")
             if name_origin.startswith("override ") and not key_origin.startswith("override "):
                 # a preset switched by override keeps the file's keys of the old one
+                name = (_node_at(data, loc[:-1]) or {}).get("name")
                 section = ".".join(loc[:-1])
                 msg += (
                     f" (the override of {section}.name keeps the file's other {section} keys, "

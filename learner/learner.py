@@ -316,11 +316,8 @@ class Learner:
 
     def _loss(self, batch: TrainBatch, denominator: Tensor | None = None) -> tuple[Tensor, Any]:
         """The preset's loss on `batch` with the current weights: (logp, LossOutputs)."""
-        entropy = None
-        if self.loss_fn.config.entropy_coef > 0:
-            logp, entropy = response_logprobs_entropy(self.engine, batch, self.temperature)
-        else:
-            logp = response_logprobs(self.engine, batch, self.temperature)
+        with_entropy = self.loss_fn.config.entropy_coef > 0  # the loss's entropy term needs it
+        logp, entropy = _response_stats(self.engine, batch, self.temperature, with_entropy)
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():

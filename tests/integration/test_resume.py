@@ -15,6 +15,7 @@ import pytest
 
 from staleflow.cluster.driver import Driver
 from staleflow.cluster.resume import (
+    STATE_FORMAT,
     ResumeError,
     check_steps_left,
     load_resume,
@@ -366,7 +367,8 @@ def test_a_run_stopped_during_its_last_step_may_still_resume(tmp_path):
     run = RunDir.create(str(tmp_path), "last")
     last = run.checkpoints / "step-000005"
     last.mkdir(parents=True)
-    (last / "trainer.json").write_text(json.dumps({"extra": {"driver": {"flow": {"steps": 5}}}}))
+    state = {"format": STATE_FORMAT, "flow": {"steps": 5}}  # as a checkpoint holds it
+    (last / "trainer.json").write_text(json.dumps({"extra": {"driver": state}}))
     run.mark_latest_checkpoint(last)
     run.summary.write_text(json.dumps({"status": "interrupted", "steps": 5}))
     check_steps_left(run, 5)  # allowed
