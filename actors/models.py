@@ -20,13 +20,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where used: `staleflow config` checks a model path without it
+    import torch
 
 __all__ = [
     "ModelError",
     "cache_dir",
+    "check_model_source",
     "load_model",
     "prepare_model",
     "smollm2_dir",
@@ -52,6 +54,8 @@ def cache_dir() -> Path:
 
 def load_model(cfg: Any, device: str | torch.device = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) for a `ModelConfig` (staleflow.configs.schema), in eval mode."""
+    import torch
+
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
     if cfg.preset == "tiny":
         model, tokenizer = tiny_model(seed=cfg.seed)
@@ -65,9 +69,15 @@ def load_model(cfg: Any, device: str | torch.device = "cpu") -> tuple[Any, Any]:
 def prepare_model(cfg: Any) -> None:
     """Fail fast on a bad model source, and convert SmolLM2 once, before several processes
     (rollout workers, learner ranks) load the model at the same time."""
+    check_model_source(cfg)
     if cfg.preset == "smollm2-135m":
         smollm2_dir()
-    elif cfg.path is not None:
+
+
+def check_model_source(cfg: Any) -> None:
+    """ModelError if `model.path` is not a Hugging Face model directory here (cheap: nothing
+    is loaded or converted)."""
+    if cfg.preset is None and cfg.path is not None:
         _check_dir(Path(cfg.path))
 
 
@@ -155,6 +165,8 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # carries no quantization_config that would make transformers expect GGUF again.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    import torch
+
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     if model.generation_config is not None:
@@ -205,6 +217,8 @@ def tiny_model(seed: int = 0) -> tuple[Any, Any]:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(config)

@@ -35,6 +35,8 @@ def _version() -> str:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    from staleflow.actors.models import ModelError
+    from staleflow.actors.tasks import TaskError
     from staleflow.cluster.commands import check_before_start
     from staleflow.configs import ConfigError, dump_config, load_config
     from staleflow.configs.loader import redact
@@ -42,7 +44,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_before_start(cfg)
-    except ConfigError as exc:
+    except (ConfigError, TaskError, ModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(redact(dump_config(cfg)))  # passwords masked, as in the run's config.json

@@ -145,14 +145,20 @@ def _markdown_default(field: Any) -> str:
 
 
 def check_before_start(cfg: Any) -> None:
-    """What `staleflow train` refuses before starting anything, and `staleflow config`
-    reports: the schedule against buffer.max_staleness, the sync method against the roles'
-    devices (ConfigError)."""
+    """What `staleflow train` refuses before starting anything (before it makes the run
+    directory), and `staleflow config` reports: the schedule against buffer.max_staleness,
+    the sync method against the roles' devices (ConfigError), the task's files and reward
+    function (TaskError), a model.path that is not a model directory on this machine, where
+    the driver loads it (ModelError)."""
+    from staleflow.actors.models import check_model_source
+    from staleflow.actors.tasks import make_task
     from staleflow.cluster.resources import check_sync_method
     from staleflow.cluster.schedule import check_schedule
 
     check_schedule(cfg)
     check_sync_method(cfg)
+    make_task(cfg.task)
+    check_model_source(cfg.model)
 
 
 def _check_engine_installed(cfg: Any, address: str | None) -> None:
@@ -195,6 +201,7 @@ def _fail(message: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from staleflow.actors.models import ModelError
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.progress import Progress
     from staleflow.cluster.resume import ResumeError
@@ -232,7 +239,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "buffer.redis_url=redis://... or $STALEFLOW_REDIS_URL (a server every node "
                 "reaches), or run the driver on a node of the cluster with --address auto"
             )
-    except (ConfigError, ValueError, ResumeError) as exc:
+    except (ConfigError, ValueError, ResumeError, ModelError) as exc:  # TaskError: ValueError
         return _fail(str(exc))
     if resume:
         run = RunDir(resume)
@@ -261,7 +268,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"{where / 'tensorboard'}",
             file=sys.stderr,
         )
-    from staleflow.actors.models import ModelError
     from staleflow.actors.tasks import TaskError
     from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError

@@ -263,6 +263,28 @@ def test_config_refuses_what_train_would_refuse_before_starting():
         assert "Traceback" not in out.stderr
 
 
+def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_path):
+    # train used to make the run directory, write an empty report with seven empty plots,
+    # and only then find the model directory missing; `config` printed these as fine
+    missing = tmp_path / "no-such"
+    for overrides, message in [
+        (["model.preset=null", f"model.path={missing}"], f"model directory {missing} does not"),
+        (["model.preset=null", f"model.path={tmp_path}"], "it has no config.json"),
+        (["task.name=gsm8k", f"task.path={missing}.jsonl"], "no such file"),
+        (["task.name=custom", f"task.path={missing}.jsonl", "task.reward_fn=nope.x:f"],
+         "cannot import reward function 'nope.x:f'"),
+    ]:  # fmt: skip
+        out = staleflow("config", "configs/tiny.yaml", *overrides)
+        assert (out.returncode, out.stdout) == (2, ""), out.stderr
+        assert message in out.stderr
+        out = staleflow("train", "configs/tiny.yaml", *overrides,
+                        f"run.output_dir={tmp_path}", "run.name=r")  # fmt: skip
+        assert out.returncode == 2
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
+        assert not (tmp_path / "r").exists()
+
+
 def test_an_output_dir_that_cannot_be_made_is_an_error_not_a_traceback(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

@@ -84,9 +84,7 @@ def test_train_with_a_missing_model_directory_fails_clearly_before_starting_anyt
     err = capsys.readouterr().err
     assert "model directory" in err
     assert "does not exist; set model.path" in err
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    assert summary["status"] == "failed"
-    assert not (tmp_path / "r" / "redis" / "server.json").exists()  # no server was started
+    assert not (tmp_path / "r").exists()  # refused before the run directory, or any server
 
 
 def test_scale_refuses_to_grow_an_ipc_run_past_the_workers_it_reserved(tmp_path, capsys):
