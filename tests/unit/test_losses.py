@@ -111,6 +111,19 @@ def test_rec_twoside_value(name, expected):
     assert m["clip_frac"] == pytest.approx(0.8)
 
 
+@pytest.mark.parametrize(
+    ("name", "expected"), [("rec-twoside-nois", -0.2), ("rec-twoside-is", -0.5)]
+)
+def test_rec_twoside_wide_clip_value(name, expected):
+    # (0.6, 2.0): band [0.4, 3.0] whatever the sign of A: a no (0.25), b yes, c no (4), d yes
+    # (0.5), e yes (2). The band above keeps only b, whose rho is 1: IS and NoIS agree there.
+    # NoIS: b -(1)(-2) = 2, d -(-1)(-1) = -1, e -(-1)(-2) = -2; sum -1; / 5 = -0.2
+    # IS (W = A*rho): b 2, d -(-1*0.5)(-1) = -0.5, e -(-1*2)(-2) = -4; sum -2.5; / 5 = -0.5
+    loss, m = run(name, epsilon_low=0.6, epsilon_high=2.0)
+    assert loss == pytest.approx(expected)
+    assert m["clip_frac"] == pytest.approx(0.4)
+
+
 @pytest.mark.parametrize(("name", "expected"), [("rec-ring-nois", 0.6), ("rec-ring-is", 0.45)])
 def test_rec_ring_value(name, expected):
     # inner [0.8, 1.2], outer: (A>=0 and rho<=0.4) or (A<=0 and rho>=3.0)
