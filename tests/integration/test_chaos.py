@@ -65,6 +65,7 @@ def _until(predicate, timeout_s: float, what: str):
     return wait_for(predicate, timeout_s, what, poll_s=0.05)
 
 
+@pytest.mark.timeout(1500)  # several runs one after another: each wait is a hang guard
 def test_chaos_run_loses_nothing_and_trains_nothing_twice(tmp_path, capsys):
     (tmp_path / "c.yaml").write_text(_config())
     run = tmp_path / "runs" / "chaos"

@@ -46,7 +46,7 @@ def test_two_node_run_spreads_the_learner_and_reconciles(tmp_path, two_nodes):
         "learner.placement=spread", "sync.offset=1", "--address", two_nodes.address,
         cwd=tmp_path,
     )  # fmt: skip
-    out, _ = proc.communicate(timeout=900)
+    out, _ = proc.communicate(timeout=500)  # under pytest-timeout's 600 s, so its message shows
     assert proc.returncode == 0, out[-3000:]
     assert "(the driver's node): run directory" in out  # where to find the outputs
 
@@ -81,7 +81,7 @@ def _ipc_run(tmp_path, address: str, workers: int) -> tuple[int, str, dict]:
         "train", "c.yaml", "run.name=ipc", "run.steps=2", f"rollout.num_workers={workers}",
         "sync.method=ipc", "sync.offset=0", "--address", address, cwd=tmp_path,
     )  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
+    out, _ = proc.communicate(timeout=500)
     return proc.returncode, out, json.loads((tmp_path / "runs/ipc/summary.json").read_text())
 
 

@@ -141,7 +141,7 @@ class Nodes:
         proc = self.popen(0, sys.executable, "-m", "staleflow.cluster.cli", "train", "c.yaml",
                           *args, "--address", self.head, cwd=cwd, env=env)  # fmt: skip
         try:
-            out, _ = proc.communicate(timeout=600)
+            out, _ = proc.communicate(timeout=500)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()

@@ -269,7 +269,7 @@ def _train(tmp_path, *args: str) -> tuple[int, str]:
     (the session's Ray would not import the test's reward module)."""
     (tmp_path / "c.yaml").write_text(TINY)
     proc = staleflow("train", "c.yaml", *args, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=600)
+    out, _ = proc.communicate(timeout=500)
     return proc.returncode, out
 
 
@@ -382,7 +382,7 @@ def test_a_run_stopped_during_its_last_step_may_still_resume(tmp_path):
 
 def _train_resume(tmp_path, run) -> tuple[int, str]:
     proc = staleflow("train", "--resume", str(run), cwd=tmp_path)
-    out, _ = proc.communicate(timeout=600)
+    out, _ = proc.communicate(timeout=500)
     return proc.returncode, out
 
 

@@ -11,8 +11,6 @@ import itertools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from staleflow.actors.tasks import make_task
 from staleflow.cluster.rundir import read_metrics
 from staleflow.cluster.schedule import ScheduleError, check_schedule, lag, rollout_version
 from staleflow.configs import parse_config
+from tests.integration.procs import staleflow
 from tests.integration.tiny import TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
@@ -240,31 +239,6 @@ def test_async_without_a_bound_drops_nothing_and_still_reconciles(tmp_path, ray_
 # ----------------------------------------------------------------------------- processes
 
 
-class LoggedProcess(subprocess.Popen):
-    """A process whose output goes to a file, not a pipe: a run logs a line per step, and a
-    pipe holds 64 KiB, so a fast run a test was not reading yet blocked in a write (the
-    scale test's run stopped at step ~297 of 400 that way, once its steps took 17 ms).
-    `communicate` waits and returns the whole output, as with a pipe."""
-
-    def __init__(self, args: list[str], log: Path, **kwargs) -> None:
-        self.log = log
-        self._file = log.open("w")
-        super().__init__(args, stdout=self._file, stderr=subprocess.STDOUT, text=True, **kwargs)
-
-    def communicate(self, input=None, timeout=None):
-        self.wait(timeout=timeout)
-        self._file.close()
-        return self.log.read_text(), None
-
-
-def staleflow(*args: str, cwd: Path, **kwargs):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    log = Path(cwd) / f".staleflow-{time.monotonic_ns()}.log"
-    return LoggedProcess(
-        [sys.executable, "-m", "staleflow.cluster.cli", *args], log, cwd=cwd, env=env, **kwargs
-    )
-
-
 def descendants(pid: int) -> set[int]:
     """Every live process below `pid` (from /proc)."""
     children: dict[int, list[int]] = {}
@@ -316,7 +290,7 @@ def test_tiny_config_learns_and_leaves_a_complete_run_directory(tmp_path):
         "train", str(REPO / "configs/tiny.yaml"), f"run.output_dir={tmp_path}",
         "run.name=tiny", "run.tensorboard=true", cwd=tmp_path,
     )  # fmt: skip
-    out, _ = proc.communicate(timeout=600)
+    out, _ = proc.communicate(timeout=500)
     assert proc.returncode == 0, out[-3000:]
     run = tmp_path / "tiny"
     steps = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "step"]
@@ -466,7 +440,7 @@ def test_train_joins_an_existing_ray_cluster_and_leaves_it_running(tmp_path, ray
     proc = staleflow(
         "train", "c.yaml", "run.name=joined", "run.steps=4", "--address", address, cwd=tmp_path
     )
-    out, _ = proc.communicate(timeout=600)
+    out, _ = proc.communicate(timeout=500)
     assert proc.returncode == 0, out[-3000:]
     summary = json.loads((tmp_path / "runs/joined/summary.json").read_text())
     assert summary["status"] == "completed"
