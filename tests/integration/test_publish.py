@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -87,9 +89,18 @@ def test_publish_time_is_logged(tmp_path, caplog):
 
     arrays = {"w": np.ones((256, 256), np.float32)}
     with caplog.at_level(logging.INFO, logger="staleflow.learner.publish"):
-        CheckpointPublisher(tmp_path).publish(arrays, version=4)
+        handle = CheckpointPublisher(tmp_path).publish(arrays, version=4)
     (record,) = caplog.records
-    assert "published weights v4 via checkpoint: 0.3 MB in 1 bucket(s)" in record.getMessage()
+    # 256 * 256 * 4 bytes = 0.26 MB; the seconds and the rate are the publish's own
+    message = record.getMessage()
+    match = re.fullmatch(
+        r"published weights v4 via checkpoint: 0\.3 MB in 1 bucket\(s\), (\d+\.\d{3}) s "
+        r"\((\d+\.\d{2}|inf) GB/s\)",
+        message,
+    )
+    assert match, message
+    assert float(match[1]) == pytest.approx(handle.stats.seconds, abs=5e-4)
+    assert (tmp_path / "weights-v00000004.safetensors").is_file()
 
 
 def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path):

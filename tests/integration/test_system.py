@@ -139,7 +139,7 @@ def test_two_learner_ranks_train_on_groups_that_never_pass_through_the_driver(
 # ----------------------------------------------------------------------------- async
 
 
-def test_async_run_bounds_staleness_overlaps_and_reconciles(tmp_path, ray_local):
+def test_async_run_bounds_staleness_and_reconciles(tmp_path, ray_local):
     # Two free-running workers: which batch a step gets depends on their relative speeds, so
     # only what holds for every timing is asserted (the exact lag is the next test's).
     _cfg, _run, summary, records = run_driver(

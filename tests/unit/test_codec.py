@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import resource
+import subprocess
+import sys
 import warnings
 
 import msgpack
@@ -316,17 +317,31 @@ def test_fuzz_fields_with_wrong_values(changes):
 
 
 def test_hostile_length_headers_do_not_allocate():
-    # msgpack headers claiming 4 GiB strings / 2^32-entry arrays, with no data behind them
-    hostile = [
-        b"\xdb\xff\xff\xff\xff",  # str32 of 4 GiB
-        b"\xc6\xff\xff\xff\xff",  # bin32 of 4 GiB
-        b"\xdd\xff\xff\xff\xff",  # array32 of 2^32 entries
-        b"\xdf\xff\xff\xff\xff",  # map32 of 2^32 entries
-        b"\x91" * 100_000,  # 100k nested arrays
-    ]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for data in hostile:
-        with pytest.raises(RecordError):
-            decode(data)
-    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
-    assert grown_kib < 64 * 1024  # far below the gigabytes the headers claim
+    # msgpack headers claiming 4 GiB strings / 2^32-entry arrays, with no data behind them.
+    # Decoded in a process whose address space is capped 1 GiB above what it has mapped: an
+    # allocation of what a header claims fails there (MemoryError, not RecordError), even
+    # one never touched, which the resident size would not show.
+    script = """
+import resource, sys
+from staleflow.buffer.codec import RecordError, decode
+hostile = [
+    b"\\xdb\\xff\\xff\\xff\\xff",  # str32 of 4 GiB
+    b"\\xc6\\xff\\xff\\xff\\xff",  # bin32 of 4 GiB
+    b"\\xdd\\xff\\xff\\xff\\xff",  # array32 of 2^32 entries
+    b"\\xdf\\xff\\xff\\xff\\xff",  # map32 of 2^32 entries
+    b"\\x91" * 100_000,  # 100k nested arrays
+]
+mapped = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (1 << 30), resource.RLIM_INFINITY))
+for data in hostile:
+    try:
+        decode(data)
+    except RecordError:
+        continue
+    sys.exit(f"decoded {data[:5]!r} without a RecordError")
+print("all refused")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "all refused"

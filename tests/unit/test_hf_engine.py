@@ -65,10 +65,18 @@ def test_left_padding_does_not_change_logprobs(engine):
 
 
 def test_k_samples_per_prompt_in_order(engine):
-    out = engine.generate(prompts(engine), 5, SamplingParams(max_new_tokens=8, seed=0))
+    ps = prompts(engine)
+    out = engine.generate(ps, 5, SamplingParams(max_new_tokens=8, seed=0))
     assert [len(samples) for samples in out] == [5, 5, 5]
     distinct = {tuple(c.token_ids) for c in out[0]}
     assert len(distinct) > 1  # sampling at temperature 1 varies
+    # row i was sampled from prompt i: its log-probs are the model's given that prompt, and
+    # not given another one (the three prompts' texts differ)
+    for i, samples in enumerate(out):
+        for c in samples:
+            for j, prompt in enumerate(ps):
+                recomputed = teacher_forced_logprobs(engine, prompt, c.token_ids, 1.0)
+                assert np.allclose(c.logprobs, recomputed, atol=1e-4) == (i == j), (i, j)
 
 
 def test_greedy_is_deterministic(engine):
