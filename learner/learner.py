@@ -212,6 +212,7 @@ class Learner:
         extrema: dict[str, float] = {}
         timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0}
         grad_norms, losses = [], []
+        lr = float(self.scheduler.get_last_lr()[0])  # what this step's first optimizer step uses
         for _ in range(self.cfg.learner.epochs):
             for mini in _split(batch.num_sequences, self.cfg.learner.mini_batches):
                 loss, norm = self._optimizer_step(batch.rows(mini), sums, extrema, timing)
@@ -229,7 +230,7 @@ class Learner:
         metrics.update(
             loss=float(np.mean(losses)),
             grad_norm=float(np.mean(grad_norms)),
-            lr=float(self.scheduler.get_last_lr()[0]),
+            lr=lr,
             lag_min=float(min(lags)),
             lag_mean=float(np.mean(lags)),
             lag_max=float(max(lags)),

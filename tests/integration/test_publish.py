@@ -52,7 +52,7 @@ def test_ray_publish_in_buckets_reaches_an_engine(ray_local):
     handle = RayPublisher(bucket_mb=0).publish(arrays, version=learner.version)  # 1 param/bucket
     assert handle.stats.buckets == len(arrays)
     assert handle.stats.bytes == sum(a.nbytes for a in arrays.values())
-    assert handle.stats.seconds >= 0
+    assert handle.stats.seconds > 0
     model, tokenizer = tiny_model(seed=4)
     engine = HFEngine(model, tokenizer)
     engine.load_weights(handle.arrays(), handle.version)
