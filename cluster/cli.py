@@ -79,6 +79,7 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
 
     from staleflow.buffer.replay import BufferConnectionError, ReplayBuffer
     from staleflow.buffer.server import RedisServerError, read_server_url, redis_dir
+    from staleflow.cluster.rundir import RunDir
 
     state = _run_state(args.run_dir) if args.run_dir else None
     try:
@@ -88,6 +89,17 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
                 'Redis stopped with it. Its final counts are under "groups" in '
                 f"{Path(args.run_dir) / 'summary.json'}; `staleflow train --resume` starts the "
                 "server again with the buffer as it was"
+            )
+        if (
+            args.run_dir
+            and not args.redis_url
+            and state in ("starting", "running")
+            and not RunDir(args.run_dir).in_use()
+        ):
+            raise ValueError(
+                f"run {Path(args.run_dir).name}'s driver is gone (status.json still says "
+                f"{state}: it was killed), and its embedded Redis with it; `staleflow train "
+                f"--resume {args.run_dir}` starts the server again with the buffer as it was"
             )
         url = args.redis_url or read_server_url(redis_dir(args.run_dir))
         if args.run is None and args.run_dir is None:

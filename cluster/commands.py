@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -201,11 +202,16 @@ def _fail(message: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    with contextlib.ExitStack() as held:  # the run directory's lock, until the run ends
+        return _train(args, held)
+
+
+def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from staleflow.actors.models import ModelError
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.progress import Progress
     from staleflow.cluster.resume import ResumeError
-    from staleflow.cluster.rundir import RunDir
+    from staleflow.cluster.rundir import RunDir, RunDirBusy
     from staleflow.cluster.services import redis_url_from_env
     from staleflow.configs import ConfigError, load_config
 
@@ -217,6 +223,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     resume = getattr(args, "resume", None)
     try:
         if resume:
+            # held first: a run still going changes the files the resume checks
+            held.callback(os.close, RunDir(resume).check_exists().lock())
             cfg, name = _resumed_config(resume, args.config, overrides)
         elif args.config is None:
             raise ConfigError(
@@ -239,7 +247,9 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "buffer.redis_url=redis://... or $STALEFLOW_REDIS_URL (a server every node "
                 "reaches), or run the driver on a node of the cluster with --address auto"
             )
-    except (ConfigError, ValueError, ResumeError, ModelError) as exc:  # TaskError: ValueError
+    except (ConfigError, ValueError, ResumeError, ModelError, RunDirBusy) as exc:  # TaskError:
+        return _fail(str(exc))  # a ValueError
+    except FileNotFoundError as exc:  # --resume of a directory that holds no run
         return _fail(str(exc))
     if resume:
         run = RunDir(resume)
@@ -252,11 +262,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         try:
             run = RunDir.create(cfg.run.output_dir, name)
+            held.callback(os.close, run.lock())  # two trains given the same run.name at once
         except OSError as exc:
             return _fail(
                 f"cannot create the run directory {run.path}: {exc.strerror or exc}; set "
                 "run.output_dir=... to a directory you can write"
             )
+        except RunDirBusy as exc:
+            return _fail(str(exc))
     handler = run.attach_log()
     logging.getLogger("staleflow").addHandler(_stderr_warnings())
     print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)
@@ -300,7 +313,7 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
     """The config a run was started with (config.json in its directory), with the overrides a
     resume may make. The stored config has its Redis password masked: an external server's
     URL must come again, from $STALEFLOW_REDIS_URL or buffer.redis_url=..."""
-    from staleflow.cluster.resume import ResumeError, check_steps_left, resume_overrides_allowed
+    from staleflow.cluster.resume import ResumeError, check_resumable, resume_overrides_allowed
     from staleflow.cluster.rundir import RunDir
     from staleflow.configs import ConfigError, load_config
 
@@ -316,7 +329,7 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
         raise ResumeError(str(exc)) from None
     resume_overrides_allowed(overrides)
     cfg = load_config(str(run.config), overrides)
-    check_steps_left(run, cfg.run.steps)  # before anything in the run directory changes
+    check_resumable(run, cfg)  # before anything in the run directory changes
     url = cfg.buffer.redis_url
     if (
         url is not None

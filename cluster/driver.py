@@ -31,7 +31,7 @@ from typing import Any
 
 from staleflow.buffer.connection import BufferConnectionError
 from staleflow.cluster.evaluations import Evaluations
-from staleflow.cluster.failures import LearnerFailed
+from staleflow.cluster.failures import LearnerFailed, rank_error
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
 from staleflow.cluster.resources import ipc_scale_refusal, scale_placement_refusal
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
@@ -94,6 +94,15 @@ class Driver(CheckpointMixin):
         self.learner_failed: str | None = None
         self.error: str | None = None  # what stopped a failed run (also in summary.json)
         self._checkpointed = -1  # the step of the newest checkpoint
+        # a resume that fails before its learner is restored leaves the run directory as it
+        # was (config.json and status.json are put back; summary, report and metrics are
+        # not rewritten)
+        self._restored = not self.resume
+        self._files_before = {
+            path: path.read_text()
+            for path in (self.rundir.config, self.rundir.status)
+            if self.resume and path.is_file()
+        }
 
     # the run's parts (cluster.services); None until started
     buffer = property(lambda self: self.services.buffer)
@@ -201,8 +210,10 @@ class Driver(CheckpointMixin):
             report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
         except Exception as exc:
             self.learning = None
-            self.learner_failed = f"{type(exc).__name__}: {exc}"
-            raise LearnerFailed(f"a learner rank failed at step {self.step + 1}: {exc}") from exc
+            self.learner_failed = rank_error(exc)
+            raise LearnerFailed(
+                f"a learner rank failed at step {self.step + 1}: {self.learner_failed}"
+            ) from exc
         self.learning = None
         self._account(report)
         c = self.counts
@@ -357,7 +368,8 @@ class Driver(CheckpointMixin):
                 status = "interrupted"
             else:
                 status = "completed"
-                self._evaluate(self.step)
+                if self.step not in self.accuracy:  # a resume after the final evaluation
+                    self._evaluate(self.step)
             self._drain()
         except KeyboardInterrupt:
             status = "interrupted"
@@ -483,7 +495,7 @@ class Driver(CheckpointMixin):
         self.prompts = iter(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)
         if self.resume:
-            self.resumed = load_resume(self.rundir, self.cfg)  # cuts metrics.jsonl back
+            self.resumed = load_resume(self.rundir, self.cfg)  # _restore cuts metrics back
             self.prompts = self.resumed.continue_prompts(self.prompts)
         first = self.resumed.step + 1 if self.resumed else None
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard, purge_step=first)
@@ -505,8 +517,8 @@ class Driver(CheckpointMixin):
         if self.resumed is not None:
             self._restore(self.resumed)
         self._publish()
-        if self.resumed is None:
-            self._evaluate(0)
+        if self.resumed is None or (self.resumed.step == 0 and 0 not in self.accuracy):
+            self._evaluate(0)  # (a run stopped before its first evaluation had finished)
         elif self._eval_due(self.step) and self.step not in self.accuracy:
             self._evaluate(self.step)  # the checkpoint's evaluation did not finish before
         self.started = time.time()  # busy fractions and wall time count from here
@@ -521,6 +533,8 @@ class Driver(CheckpointMixin):
 
     def _finish(self, status: str) -> dict[str, Any]:
         """Checkpoint, reconcile, report and stop everything; safe after a partial start."""
+        if not self._restored:
+            return self._abandon_resume(status)
         self._absorb_learner_call()
         summary: dict[str, Any] = {"status": status, "steps": self.step, "run_id": self.run_id}
         try:
@@ -568,6 +582,23 @@ class Driver(CheckpointMixin):
                 "could not write the report; rerun `staleflow report %s`", self.rundir.path
             )
         return summary
+
+    def _abandon_resume(self, status: str) -> dict[str, Any]:
+        """A resume stopped before its learner was restored: nothing of the run changed, so
+        its summary, report and metrics stay the earlier run's; config.json and status.json
+        (rewritten at the start) go back."""
+        step = self.resumed.step if self.resumed is not None else 0
+        logger.error("the resume stopped (%s) before the run changed: %s keeps its summary, "
+                     "report and metrics", self.error or status, self.rundir.path)  # fmt: skip
+        if self.progress is not None:
+            self.progress.stop()
+        self._teardown()
+        for path, text in self._files_before.items():
+            write_text(path, text)
+        return {
+            "status": status, "steps": step, "run_id": self.run_id, "error": self.error,
+            "resume_abandoned": True,
+        }  # fmt: skip
 
     def _absorb_learner_call(self) -> None:
         """A learner call still running when the run stops (an error elsewhere, a second

@@ -3,7 +3,13 @@ name them without importing Ray (cluster/placement.py raises them)."""
 
 from __future__ import annotations
 
-__all__ = ["ClusterUnreachable", "LearnerFailed"]
+import logging
+import re
+
+__all__ = ["ClusterUnreachable", "LearnerFailed", "rank_error"]
+
+logger = logging.getLogger(__name__)
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class ClusterUnreachable(RuntimeError):
@@ -14,3 +20,13 @@ class LearnerFailed(RuntimeError):
     """A learner rank died or raised (in a step, a publish, a checkpoint, ...): the ranks
     share one process group, so the run stops; its last checkpoint and the groups held since
     are what `train --resume` continues from."""
+
+
+def rank_error(exc: BaseException) -> str:
+    """A learner rank's failure in one line: the exception the rank raised (Ray wraps it in
+    the remote traceback, with terminal colours), or how the rank died. The whole of Ray's
+    text goes to the driver's log."""
+    logger.info("a learner rank failed; as Ray reports it:\n%s", _COLOUR.sub("", str(exc)))
+    cause = getattr(exc, "cause", None)  # RayTaskError: what the rank raised
+    shown = cause if isinstance(cause, BaseException) else exc
+    return _COLOUR.sub("", f"{type(shown).__name__}: {shown}")

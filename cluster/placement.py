@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.buffer.ports import free_port
-from staleflow.cluster.failures import ClusterUnreachable, LearnerFailed
+from staleflow.cluster.failures import ClusterUnreachable, LearnerFailed, rank_error
 from staleflow.cluster.learner_rank import LearnerRank
 from staleflow.cluster.resources import ipc_bundle
 from staleflow.learner.device import hidden_gpus_env
@@ -483,7 +483,8 @@ class LearnerGroup:
         try:
             return list(ray.get(refs))
         except ray.exceptions.RayError as exc:
-            raise LearnerFailed(f"a learner rank failed during {during}: {exc}") from exc
+            failure = rank_error(exc)
+            raise LearnerFailed(f"a learner rank failed during {during}: {failure}") from exc
 
     def kill(self) -> None:
         try:

@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointMixin",
     "Resume",
     "ResumeError",
+    "check_resumable",
     "driver_state",
     "load_resume",
     "republish",
@@ -149,9 +150,26 @@ class CheckpointMixin:
     def _restore(self: Any, r: Resume) -> None:
         """Continue from the checkpoint `r`: the learner loads it and gets back the groups
         held since; the schedule's counts, the batches to redo and older weights return."""
+        from staleflow.cluster.failures import LearnerFailed
+
         started = time.monotonic()
         old = r.check_old_weights(self.schedule, self.cfg.sync.method)
-        recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
+        acked = self.buffer.stats().acked
+        if acked > r.counts.trained:  # what check_resumable cannot see without metrics.jsonl
+            raise ResumeError(
+                f"the buffer has acknowledged {acked} trainings, but "
+                f"{r.checkpoint or 'the start of the run'} counts {r.counts.trained}: a later "
+                "checkpoint was made (its groups are gone from the buffer), so this run cannot "
+                "be resumed exactly from here; restore the run's newest checkpoint and its "
+                "LATEST, or start a new run"
+            )
+        try:
+            recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
+        except LearnerFailed as exc:
+            raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
+        r.cut_metrics(self.rundir)  # the records of what is trained again
+        self.metrics.reopen()
+        self._restored = True
         self.flow, self.counts, self.faults = r.flow, r.counts, r.faults
         self.accuracy = r.accuracy
         self.flow.dropped += self.counts.catch_up_drops(self.buffer.stats())
@@ -211,6 +229,24 @@ class Resume:
         self._prompts = list(itertools.islice(stream, self.flow.batches * self.P))
         return stream
 
+    def cut_metrics(self, run: RunDir) -> None:
+        """Drop the metrics.jsonl records the resumed run makes again: every record after
+        the checkpoint's step, and the rollout records of batches it redoes or had not
+        started (a batch that finished after the checkpoint was written is generated again)."""
+
+        def kept(r: dict[str, Any]) -> bool:
+            if int(r.get("step", 0)) > self.step:
+                return False
+            batch = r.get("batch")
+            if r.get("kind") != "rollout" or not isinstance(batch, int):
+                return True
+            return batch <= self.flow.batches and batch not in self.versions
+
+        records = [r for r in read_metrics(run.metrics) if kept(r)]
+        tmp = run.metrics.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        tmp.replace(run.metrics)
+
     def check_old_weights(self, schedule: Any, method: str) -> dict[int, Path]:
         """The older versions the checkpoint kept (`old_weights`); raises ResumeError if the
         schedule still needs one it did not keep: a coming lock-step batch's or a redone
@@ -259,28 +295,104 @@ def _driver_state(checkpoint: Path) -> dict[str, Any]:
     return dict(state)
 
 
-def check_steps_left(run: RunDir, steps: int) -> None:
-    """Refuse to resume a run with nothing left to do: its last checkpoint holds more than
-    `steps` (run.steps) steps, or exactly that many and the run completed (a run stopped
-    during its last step still needs its final evaluation and summary). A resume would only
-    rewrite its files. A checkpoint that cannot be read is left for load_resume to report."""
-    path = run.latest_checkpoint()
-    try:
-        done = int(_driver_state(path)["flow"]["steps"]) if path is not None else 0
-    except (ResumeError, KeyError, TypeError, ValueError):
-        return
-    completed = (read_json_object(run.summary) or {}).get("status") == "completed"
-    if done > steps or (done == steps and completed):
+def resumable_checkpoint(run: RunDir) -> Path | None:
+    """The checkpoint LATEST names (None: the run made none yet); ResumeError if LATEST names
+    a directory that is gone (LATEST is written after its directory is complete)."""
+    latest = run.checkpoints / "LATEST"
+    if not latest.is_file():
+        return None
+    name = latest.read_text().strip()
+    if not (run.checkpoints / name).is_dir():
         raise ResumeError(
-            f"{run.path} has already trained {done} steps, and run.steps is {steps}: nothing "
-            f"to resume; to train it further, give run.steps=N with N > {done}"
+            f"{latest} names {name}, which is missing: the groups trained up to it were "
+            "acknowledged (removed from the buffer) when it was made, so no older checkpoint "
+            f"can redo them; restore {run.checkpoints / name}, or start a new run"
         )
+    return run.checkpoints / name
+
+
+def check_resumable(run: RunDir, cfg: Any) -> None:
+    """Everything a resume refuses, checked before it changes anything in the run directory:
+    a checkpoint missing, damaged or older than the last one the run acked its groups at
+    (metrics.jsonl's `checkpoint` records, written after the ack); a config.json that differs
+    from the checkpoint's config beyond what a resume may change; nothing left to do (the
+    last checkpoint holds more than run.steps steps, or exactly as many and the run completed;
+    a run stopped during its last step still needs its final evaluation and summary)."""
+    from staleflow.learner.checkpoint import CheckpointError, check_files
+
+    path = resumable_checkpoint(run)
+    done = 0
+    if path is not None:
+        try:
+            trainer = check_files(path)
+        except CheckpointError as exc:
+            raise ResumeError(
+                f"{exc}; this checkpoint cannot be resumed (the groups trained up to it were "
+                "acknowledged when it was made, so an older one cannot redo them): restore "
+                "the file, or start a new run"
+            ) from None
+        state = _driver_state(path)
+        done = int(state["flow"]["steps"])
+        if cfg.rollout.prompts_per_batch != int(state["prompts_per_batch"]):
+            raise ResumeError(
+                f"rollout.prompts_per_batch changed from {state['prompts_per_batch']} to "
+                f"{cfg.rollout.prompts_per_batch}; a resume must keep it"
+            )
+        _check_same_config(run, path, trainer.get("config"), cfg)
+    acked_at = [int(r.get("step", 0)) for r in read_metrics(run.metrics)
+                if r.get("kind") == "checkpoint" and r.get("acked", 1)]  # fmt: skip
+    if acked_at and max(acked_at) > done:
+        where = f"{path.name} holds step {done}" if path else "it has no checkpoint (LATEST)"
+        raise ResumeError(
+            f"{run.path} acknowledged the groups of its checkpoint at step {max(acked_at)} "
+            f"(metrics.jsonl), but {where}: the groups trained after step {done} are gone from "
+            f"the buffer, so it cannot be resumed exactly; restore "
+            f"{run.checkpoints / f'step-{max(acked_at):06d}'} and LATEST, or start a new run"
+        )
+    completed = (read_json_object(run.summary) or {}).get("status") == "completed"
+    if done > cfg.run.steps or (done == cfg.run.steps and completed):
+        raise ResumeError(
+            f"{run.path} has already trained {done} steps, and run.steps is {cfg.run.steps}: "
+            f"nothing to resume; to train it further, give run.steps=N with N > {done}"
+        )
+
+
+def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> None:
+    """ResumeError if `cfg` (config.json with the resume's overrides) differs from the config
+    the checkpoint was trained with (`saved`, from trainer.json) in a key a resume may not
+    change: an edited config.json would train the rest of the run differently."""
+    from staleflow.configs.loader import redact
+
+    if not isinstance(saved, dict):
+        return  # an older checkpoint without its config: nothing to compare
+    now = json.loads(redact(cfg.model_dump_json()))
+    free = {*_RESUMABLE, "run.name", "run.output_dir"}
+    for key, old in _flat(saved).items():
+        new = _flat(now).get(key, old)  # a key this build added or dropped: not a change
+        if key not in free and new != old:
+            raise ResumeError(
+                f"{key} is {json.dumps(new)} in {run.config} but {json.dumps(old)} in the "
+                f"checkpoint {checkpoint.name}: a resume continues the run as it was trained; "
+                f"put it back in config.json, or start a new run (a resume may set: "
+                f"{', '.join(_RESUMABLE)})"
+            )
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def load_resume(run: RunDir, cfg: Any) -> Resume:
     """Read the last checkpoint of `run` (or start from step 0 if it has none, which only
-    works when acks wait for checkpoints), and cut the metrics back to its step."""
-    path = run.latest_checkpoint()
+    works when acks wait for checkpoints). `check_resumable` has passed; metrics.jsonl is cut
+    back to the checkpoint's step by `Resume.cut_metrics`, once the learner has loaded it."""
+    path = resumable_checkpoint(run)
     if path is None:
         if cfg.run.checkpoint_every == 0:
             raise ResumeError(
@@ -304,24 +416,12 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
             faults=list(state.get("faults", [])),
             P=int(state["prompts_per_batch"]),
         )
-        if cfg.rollout.prompts_per_batch != res.P:
-            raise ResumeError(
-                f"rollout.prompts_per_batch changed from {res.P} to "
-                f"{cfg.rollout.prompts_per_batch}; a resume must keep it"
-            )
-    res.accuracy = cut_metrics(run, res.step)
+    res.accuracy = {
+        int(r["step"]): float(r["accuracy"])
+        for r in read_metrics(run.metrics)
+        if r.get("kind") == "eval" and int(r.get("step", 0)) <= res.step
+    }
     return res
-
-
-def cut_metrics(run: RunDir, step: int) -> dict[int, float]:
-    """Drop metrics.jsonl records after `step` (their steps are trained again); returns the
-    held-out accuracy by step that remains."""
-    records = list(read_metrics(run.metrics))
-    kept = [r for r in records if int(r.get("step", 0)) <= step]
-    tmp = run.metrics.with_name(".metrics.jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(run.metrics)
-    return {int(r["step"]): float(r["accuracy"]) for r in kept if r.get("kind") == "eval"}
 
 
 def republish(cfg: Any, version: int, directory: Path, publish_dir: str) -> Any:

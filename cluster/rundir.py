@@ -27,7 +27,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsWriter", "RunDir", "read_metrics", "write_json", "write_text"]
+__all__ = [
+    "MetricsWriter",
+    "RunDir",
+    "RunDirBusy",
+    "read_json_object",
+    "read_metrics",
+    "write_json",
+    "write_text",
+]
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -56,6 +64,10 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):  # numpy / torch scalars
         return value.item()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+class RunDirBusy(RuntimeError):
+    """Another process holds the run directory (a driver still running there)."""
 
 
 class RunDir:
@@ -90,6 +102,38 @@ class RunDir:
     report = property(lambda self: self.path / "report.html")
     log = property(lambda self: self.path / "logs" / "driver.log")
     trajectories = property(lambda self: self.path / "trajectories")
+
+    def lock(self) -> int:
+        """Hold this run directory for the calling process until it closes the returned file
+        descriptor or exits (kill -9 included: the kernel drops the lock). A second driver
+        that would write into a live run (`train --resume` of a run still going) is refused
+        with RunDirBusy, naming the driver that holds it."""
+        import fcntl
+
+        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            driver = (read_json_object(self.status) or {}).get("driver")
+            who = ""
+            if isinstance(driver, dict) and driver.get("pid"):
+                who = f" (driver pid {driver['pid']} on {driver.get('host', '?')})"
+            raise RunDirBusy(
+                f"{self.path} is in use by a staleflow train still running{who}; stop it "
+                "first (Ctrl-C, or kill -TERM its pid: it checkpoints), then resume"
+            ) from None
+        return fd
+
+    def in_use(self) -> bool:
+        """True while a `staleflow train` holds this run directory (see `lock`)."""
+        try:
+            os.close(self.lock())
+        except RunDirBusy:
+            return True
+        except OSError:  # cannot open .lock (read-only, gone): nothing to tell
+            return False
+        return False
 
     def latest_checkpoint(self) -> Path | None:
         latest = self.checkpoints / "LATEST"
@@ -155,12 +199,18 @@ class MetricsWriter:
     def __init__(self, run: RunDir, tensorboard: bool, purge_step: int | None = None) -> None:
         """`purge_step`: a resumed run's first step; TensorBoard hides what the earlier run
         logged from there on (it is trained again)."""
+        self._path = run.metrics
         self._file = run.metrics.open("a", buffering=1)
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(run.tensorboard), flush_secs=10, purge_step=purge_step)
+
+    def reopen(self) -> None:
+        """Append to metrics.jsonl anew (it was replaced, e.g. cut back by a resume)."""
+        self._file.close()
+        self._file = self._path.open("a", buffering=1)
 
     def write(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
         record = {"kind": kind, "step": step, "time": time.time(), **fields}

@@ -205,7 +205,12 @@ class RolloutConfig(Frozen):
         le=8,
         description="GPU share per worker (0: CPU; a fraction shares a GPU with other roles).",
     )
-    seed: int = Field(0, ge=0, description="Base sampling seed (worker i uses seed + i).")
+    seed: int = Field(
+        0,
+        ge=0,
+        description="Base sampling seed: a batch's samples are seeded by it, the batch number "
+        "and its first prompt, on whichever worker (a redone batch samples alike).",
+    )
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Ray custom resources each worker needs, to pin workers to labelled "

@@ -38,7 +38,14 @@ import torch
 
 from staleflow.configs.loader import redact
 
-__all__ = ["FORMAT", "CheckpointError", "export_hf", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "check_files",
+    "export_hf",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 FORMAT = 1
 
@@ -120,6 +127,34 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def check_files(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """CheckpointError naming the first file of checkpoint `path` that is missing or damaged
+    (trainer.json's format, every safetensors header and size), without loading a tensor;
+    returns trainer.json. Cheap: what a resume checks before it changes anything."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    trainer = _read_json(path / "trainer.json")
+    if trainer.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path}: checkpoint format {trainer.get('format')!r}, this build reads {FORMAT}"
+        )
+    names = ["model.safetensors", "rng.safetensors"]
+    sharded = sorted(p.name for p in path.glob("optimizer-rank*.safetensors"))
+    names += sharded or ["optimizer.safetensors"]
+    for shard in sharded:  # each rank's skeleton beside its tensors
+        _read_json(path / shard.replace(".safetensors", ".json"))
+    for name in names:
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path / name}: missing")
+        try:
+            with safe_open(str(path / name), "np") as f:  # reads the header, checks the size
+                f.keys()
+        except Exception as exc:  # safetensors raises its own error types for damaged files
+            raise CheckpointError(f"{path / name}: corrupt: {exc}") from None
+    return trainer
 
 
 def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any]:

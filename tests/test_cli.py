@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,7 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
     from staleflow.buffer.records import Group, Response
     from staleflow.buffer.replay import ReplayBuffer
     from staleflow.buffer.server import RedisServer, redis_dir
+    from staleflow.cluster.rundir import RunDir
 
     def push(url: str, run: str, versions: list[int]) -> None:
         buffer = ReplayBuffer(url, run)
@@ -154,9 +156,18 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
         (starting / "status.json").parent.mkdir()
         (starting / "status.json").write_text('{"state": "starting"}')
         (starting / "redis").symlink_to(redis_dir(run_dir))
-        out = staleflow("buffer", "stats", "--run-dir", str(starting))
+        held = RunDir(starting).lock()  # as its driver holds it
+        try:
+            out = staleflow("buffer", "stats", "--run-dir", str(starting))
+        finally:
+            os.close(held)
         assert out.returncode == 2
         assert "run starting has pushed nothing yet (state: starting)" in out.stderr
+        # the same run once its driver was killed (status.json still says so): say it
+        out = staleflow("buffer", "stats", "--run-dir", str(starting))
+        assert out.returncode == 2
+        assert "run starting's driver is gone (status.json still says starting" in out.stderr
+        assert f"staleflow train --resume {starting}" in out.stderr
 
 
 def test_buffer_stats_errors_are_clear(tmp_path):

@@ -17,7 +17,7 @@ from staleflow.cluster.driver import Driver
 from staleflow.cluster.resume import (
     STATE_FORMAT,
     ResumeError,
-    check_steps_left,
+    check_resumable,
     load_resume,
     resume_overrides_allowed,
 )
@@ -210,7 +210,10 @@ def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
     assert summary["steps"] == 4
     assert summary["resume"] == f"staleflow train --resume {run.path}"
     assert run.latest_checkpoint().name == "step-000002"
-    assert "a learner rank failed during a checkpoint: The actor died" in caplog.text
+    # one line, the error's type first (Ray's own text, with its traceback, goes to the log)
+    assert "a learner rank failed during a checkpoint: ActorDiedError: The actor died" in (
+        caplog.text
+    )
 
     cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base])
     resumed = Driver(cfg, run, resume=True).run()
@@ -361,23 +364,40 @@ def test_ctrl_c_mid_batch_then_resume_redoes_it_with_its_older_weights(tmp_path,
         assert r["lag_min"] == r["lag_max"] == lag(r["step"], 1, 1)
 
 
+def _checkpoint_files(path, driver: dict) -> None:
+    """A checkpoint's files as check_resumable reads them (headers only): trainer.json with
+    the driver's state, and tiny safetensors files."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from staleflow.learner.checkpoint import FORMAT
+
+    path.mkdir(parents=True)
+    (path / "trainer.json").write_text(json.dumps({"format": FORMAT, "extra": {"driver": driver}}))
+    for name in ("model", "rng", "optimizer"):
+        save_file({"x": np.zeros(2, np.float32)}, str(path / f"{name}.safetensors"))
+
+
 def test_a_run_stopped_during_its_last_step_may_still_resume(tmp_path):
     # Ctrl-C or SIGTERM during the last step: the step finishes and is checkpointed, but the
     # final evaluation never ran; a resume does it. Only a completed run has nothing left.
     run = RunDir.create(str(tmp_path), "last")
     last = run.checkpoints / "step-000005"
-    last.mkdir(parents=True)
-    state = {"format": STATE_FORMAT, "flow": {"steps": 5}}  # as a checkpoint holds it
-    (last / "trainer.json").write_text(json.dumps({"extra": {"driver": state}}))
+    state = {"format": STATE_FORMAT, "flow": {"steps": 5}, "prompts_per_batch": 2}
+    _checkpoint_files(last, state)
     run.mark_latest_checkpoint(last)
     run.summary.write_text(json.dumps({"status": "interrupted", "steps": 5}))
-    check_steps_left(run, 5)  # allowed
+
+    def cfg(steps: int):
+        return parse_config(TINY, [f"run.steps={steps}"])
+
+    check_resumable(run, cfg(5))  # allowed
     with pytest.raises(ResumeError, match=r"already trained 5 steps, and run\.steps is 4"):
-        check_steps_left(run, 4)
+        check_resumable(run, cfg(4))
     run.summary.write_text(json.dumps({"status": "completed", "steps": 5}))
     with pytest.raises(ResumeError, match="already trained 5 steps"):
-        check_steps_left(run, 5)
-    check_steps_left(run, 6)
+        check_resumable(run, cfg(5))
+    check_resumable(run, cfg(6))
 
 
 def _train_resume(tmp_path, run) -> tuple[int, str]:
@@ -403,3 +423,87 @@ def test_resume_refuses_what_it_cannot_do(tmp_path):
     out = subprocess.run(cli, capture_output=True, text=True)
     assert out.returncode == 2
     assert "give a run config" in out.stderr
+
+
+def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_nothing(
+    tmp_path, ray_local
+):
+    # Each of these used to go ahead: a missing LATEST target or an older checkpoint resumed
+    # from there (or from step 0), cut metrics.jsonl back, then waited 30 s for groups the
+    # buffer had already acked and failed; a damaged file failed after Ray started and
+    # rewrote summary.json as "failed after 0 steps, MISMATCH"; an edited config.json
+    # trained the rest of the run with another loss.
+    _cfg, run, first, _ = run_driver(
+        tmp_path, "run.name=d", "run.checkpoint_every=2", "run.steps=4"
+    )
+    assert first["status"] == "completed"
+    ckpt = run.checkpoints / "step-000004"
+
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in (run.metrics, run.summary, run.status, run.config)}
+
+    def refused(*messages: str) -> None:
+        before = files()
+        proc = staleflow("train", "--resume", str(run.path), "run.steps=6", cwd=tmp_path)
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 2, out[-3000:]
+        for message in messages:
+            assert message in out, out[-3000:]
+        assert "Traceback" not in out
+        assert files() == before  # nothing in the run directory changed
+
+    config = run.config.read_text()
+    run.config.write_text(config.replace('"name": "rec-oneside-nois"', '"name": "rec-oneside-is"'))
+    refused('learner.loss.name is "rec-oneside-is" in', 'but "rec-oneside-nois" in the checkpoint')
+    run.config.write_text(config)
+
+    run.mark_latest_checkpoint(run.checkpoints / "step-000002")
+    refused("acknowledged the groups of its checkpoint at step 4 (metrics.jsonl), but "
+            "step-000002 holds step 2", "restore")  # fmt: skip
+    run.mark_latest_checkpoint(ckpt)
+
+    optimizer = (ckpt / "optimizer.safetensors").read_bytes()
+    (ckpt / "optimizer.safetensors").write_bytes(optimizer[:1000])
+    refused(f"{ckpt / 'optimizer.safetensors'}: corrupt")
+    (ckpt / "optimizer.safetensors").write_bytes(optimizer)
+
+    ckpt.rename(tmp_path / "aside")
+    refused(f"{run.checkpoints / 'LATEST'} names step-000004, which is missing")
+    (tmp_path / "aside").rename(ckpt)
+
+    # without metrics.jsonl's record of the later checkpoint, the buffer's own count of acked
+    # trainings still refuses the older one, after Ray and Redis started: status.json is put
+    # back, summary, report and metrics are left alone
+    kept = [r for r in read_metrics(run.metrics) if r["kind"] != "checkpoint"]
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    run.mark_latest_checkpoint(run.checkpoints / "step-000002")
+    report = (run.path / "report.html").read_bytes()
+    refused("the buffer has acknowledged 8 trainings, but", "step-000002 counts 4")
+    assert (run.path / "report.html").read_bytes() == report
+
+
+def test_a_resumed_run_trains_as_the_uninterrupted_run(tmp_path, ray_local):
+    # A batch redone after the resume, or first run by a new worker process, used to sample
+    # other responses (its seed counted the worker's own batches, from 0 in every new
+    # process): from the first step after the checkpoint, the runs diverged.
+    args = ["run.checkpoint_every=2", "sync.offset=1"]
+    _cfg, _whole, _, whole = run_driver(tmp_path, "run.name=whole", *args, "run.steps=5")
+    _cfg, part, _, records = run_driver(tmp_path, "run.name=part", *args, "run.steps=3")
+    # as a batch that finished after the checkpoint at step 3 (before a kill -9) records it
+    rollouts = [r for r in records if r["kind"] == "rollout"]
+    late = {**rollouts[-1], "batch": max(r["batch"] for r in rollouts) + 1, "late": True}
+    with part.metrics.open("a") as f:
+        f.write(json.dumps(late) + "\n")
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", "run.name=part", *args, "run.steps=5"])
+    assert Driver(cfg, RunDir(part.path), resume=True).run()["status"] == "completed"
+    resumed = list(read_metrics(part.metrics))
+    for key in ("reward_mean", "loss", "grad_norm"):
+        a, b = [r[key] for r in steps_of(whole)], [r[key] for r in steps_of(resumed)]
+        assert b == pytest.approx(a, rel=1e-4, abs=1e-7), key
+    # one record per batch and per evaluation: the batch finished after the checkpoint at
+    # step 3 and the final evaluation of step 3 are not counted twice
+    batches = [(r["batch"], r["worker"]) for r in resumed if r["kind"] == "rollout"]
+    assert len(batches) == len(set(batches))
+    assert not [r for r in resumed if r.get("late")]  # the resume made that batch again
+    evals = [r["step"] for r in resumed if r["kind"] == "eval"]
+    assert len(evals) == len(set(evals))

@@ -4,9 +4,14 @@ refuses directories that are not runs with a message that says what to pass."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from staleflow.cluster.cli import main
-from staleflow.cluster.rundir import MetricsWriter, RunDir, read_metrics
+from staleflow.cluster.rundir import MetricsWriter, RunDir, RunDirBusy, read_metrics
 
 
 def test_metrics_are_flushed_per_line_and_a_torn_last_line_is_skipped(tmp_path):
@@ -118,3 +123,38 @@ def test_scale_refuses_zero_workers_and_an_unreadable_config_without_a_traceback
     assert "KeyError('sync')" in err
     assert "Traceback" not in err
     assert not (run.control / "scale.json").exists()
+
+
+def test_a_run_directory_in_use_refuses_a_second_driver(tmp_path, capsys):
+    # `train --resume` of a run still going started a second driver and a second Redis on
+    # the same files: it cut metrics.jsonl under the live driver, rewrote its summary and
+    # status, and removed its redis/server.json
+    from staleflow.configs import parse_config
+    from staleflow.configs.loader import dump_config
+
+    run = RunDir.create(str(tmp_path), "r")
+    run.config.write_text(dump_config(parse_config("model: {preset: tiny}\n")))
+    status = json.dumps({"state": "running", "driver": {"host": "node-1", "pid": 4242}})
+    run.status.write_text(status)
+    fd = run.lock()
+    try:
+        assert main(["train", "--resume", str(run.path)]) == 2
+    finally:
+        os.close(fd)
+    err = capsys.readouterr().err
+    assert "in use by a staleflow train still running (driver pid 4242 on node-1)" in err
+    assert run.status.read_text() == status  # refused before anything changed
+    # the kernel drops the lock of a driver killed with SIGKILL: a resume may go on
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom staleflow.cluster.rundir import RunDir\n"
+         "RunDir(sys.argv[1]).lock()\nprint('held', flush=True)\ntime.sleep(120)", str(run.path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirBusy):
+            run.lock()
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(run.lock())
