@@ -30,10 +30,18 @@ __all__ = [
     "WeightsUpdate",
     "as_named_arrays",
     "check_parameter",
+    "prompt_seed",
 ]
 
 WeightsUpdate = Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
 """Named arrays: parameter name -> numpy array (bfloat16 may arrive as an int16 view)."""
+
+
+def prompt_seed(seed: int, j: int, n: int) -> int:
+    """The seed of prompt `j` of a call seeded `seed` that samples `n` responses per prompt,
+    for an engine that seeds each prompt on its own and its i-th response with seed + i
+    (vLLM): prompts' seeds are at least `n` apart, so no two responses share one."""
+    return ((seed * 1_000_003 + j) * max(n, 1)) % (1 << 62)
 
 
 @dataclass(frozen=True)

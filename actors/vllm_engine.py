@@ -30,6 +30,7 @@ from staleflow.actors.engine import (
     WeightsUpdate,
     as_named_arrays,
     check_parameter,
+    prompt_seed,
 )
 from staleflow.learner.publish import bucketize, check_room, pack_bucket, write_bucket
 
@@ -243,17 +244,23 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = VLLMSamplingParams(
+        common: dict[str, Any] = dict(
             n=n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=sampling.max_new_tokens,
             stop=list(sampling.stop) or None,
-            seed=sampling.seed,
             logprobs=0,  # just the sampled token's
             include_stop_str_in_output=True,  # as the HF engine: text and tokens agree
         )
+        params: Any = VLLMSamplingParams(**common)
+        if sampling.seed is not None:
+            # A seed per prompt: vLLM seeds each request's generator with its own seed (and
+            # its i-th sample with seed + i), so one seed for the whole call drew the same
+            # random numbers for every prompt, correlating their samples.
+            params = [VLLMSamplingParams(**common, seed=prompt_seed(sampling.seed, j, n))
+                      for j in range(len(prompts))]  # fmt: skip
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
         )

@@ -94,7 +94,7 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             args.run_dir
             and not args.redis_url
             and state in ("starting", "running")
-            and not RunDir(args.run_dir).in_use()
+            and RunDir(args.run_dir).in_use() is False
         ):
             raise ValueError(
                 f"run {Path(args.run_dir).name}'s driver is gone (status.json still says "

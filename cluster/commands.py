@@ -206,6 +206,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train(args, held)
 
 
+def _hold(held: contextlib.ExitStack, run: Any) -> None:
+    """Lock the run directory until `held` closes (RunDir.lock)."""
+    fd = run.lock()
+    if fd is not None:
+        held.callback(os.close, fd)
+
+
 def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from staleflow.actors.models import ModelError
     from staleflow.cluster.driver import Driver
@@ -224,7 +231,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     try:
         if resume:
             # held first: a run still going changes the files the resume checks
-            held.callback(os.close, RunDir(resume).check_exists().lock())
+            _hold(held, RunDir(resume).check_exists())
             cfg, name = _resumed_config(resume, args.config, overrides)
         elif args.config is None:
             raise ConfigError(
@@ -262,7 +269,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             )
         try:
             run = RunDir.create(cfg.run.output_dir, name)
-            held.callback(os.close, run.lock())  # two trains given the same run.name at once
+            _hold(held, run)  # two trains given the same run.name at once
         except OSError as exc:
             return _fail(
                 f"cannot create the run directory {run.path}: {exc.strerror or exc}; set "
@@ -303,7 +310,11 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         return _fail(f"{exc} (run directory: {run.path})")
     finally:
         logging.getLogger().removeHandler(handler)
-    _print_summary(run, summary)
+    if summary.get("resume_abandoned"):  # stopped before the run changed: say only that
+        print(f"error: the resume stopped before it changed the run ({summary['resume_abandoned']}"
+              f"); {run.path} is as it was", file=sys.stderr)  # fmt: skip
+    else:
+        _print_summary(run, summary)
     if summary["status"] == "interrupted":  # 128 + the signal, as a shell reports it
         return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0 if summary["status"] == "completed" else 1

@@ -98,10 +98,10 @@ class Driver(CheckpointMixin):
         # was (config.json and status.json are put back; summary, report and metrics are
         # not rewritten)
         self._restored = not self.resume
-        self._files_before = {
-            path: path.read_text()
+        self._files_before: dict[Any, str | None] = {
+            path: path.read_text() if path.is_file() else None
             for path in (self.rundir.config, self.rundir.status)
-            if self.resume and path.is_file()
+            if self.resume
         }
 
     # the run's parts (cluster.services); None until started
@@ -497,8 +497,9 @@ class Driver(CheckpointMixin):
         if self.resume:
             self.resumed = load_resume(self.rundir, self.cfg)  # _restore cuts metrics back
             self.prompts = self.resumed.continue_prompts(self.prompts)
-        first = self.resumed.step + 1 if self.resumed else None
-        self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard, purge_step=first)
+        # a resume mirrors to TensorBoard once restored (CheckpointMixin._restore): its purge
+        # of the steps trained again must not happen if the resume stops before
+        self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard and not self.resume)
         self._write_status("starting")
         logger.info("run %s in %s (%s schedule)", self.run_id, self.rundir.path, self.cfg.sync.mode)
         idle = idle_workers_warning(self.cfg, self.cfg.rollout.num_workers)
@@ -594,11 +595,15 @@ class Driver(CheckpointMixin):
             self.progress.stop()
         self._teardown()
         for path, text in self._files_before.items():
-            write_text(path, text)
-        return {
-            "status": status, "steps": step, "run_id": self.run_id, "error": self.error,
-            "resume_abandoned": True,
-        }  # fmt: skip
+            if text is None:
+                path.unlink(missing_ok=True)
+            else:
+                write_text(path, text)
+        summary = {"status": status, "steps": step, "run_id": self.run_id,
+                   "resume_abandoned": self.error or self.learner_failed or status}  # fmt: skip
+        if status == "interrupted" and self.stop_signal is not None:
+            summary["stopped_by"] = self.stop_signal
+        return summary
 
     def _absorb_learner_call(self) -> None:
         """A learner call still running when the run stops (an error elsewhere, a second

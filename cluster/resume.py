@@ -168,15 +168,16 @@ class CheckpointMixin:
         except LearnerFailed as exc:
             raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
         r.cut_metrics(self.rundir)  # the records of what is trained again
-        self.metrics.reopen()
+        # TensorBoard hides the earlier run's steps from the first one trained again
+        self.metrics.reopen(self.cfg.run.tensorboard, purge_step=r.step + 1)
         self._restored = True
+        self._checkpointed = r.step  # never rewrite it (a failure now would damage it)
         self.flow, self.counts, self.faults = r.flow, r.counts, r.faults
         self.accuracy = r.accuracy
         self.flow.dropped += self.counts.catch_up_drops(self.buffer.stats())
         self.redo = r.redo  # before publishing: their versions are kept
         for version, directory in old.items():
             self._published(republish(self.cfg, version, directory, self.services.publish_dir))
-        self._checkpointed = r.step  # never rewrite it (a failure now would damage it)
         seconds = time.monotonic() - started
         logger.info(
             "resumed at step %d from %s: %d group(s) held or staged come back, batches %s "
@@ -332,12 +333,14 @@ def check_resumable(run: RunDir, cfg: Any) -> None:
                 "the file, or start a new run"
             ) from None
         state = _driver_state(path)
-        done = int(state["flow"]["steps"])
-        if cfg.rollout.prompts_per_batch != int(state["prompts_per_batch"]):
+        try:
+            done, P = int(state["flow"]["steps"]), int(state["prompts_per_batch"])
+        except (KeyError, TypeError, ValueError) as exc:
             raise ResumeError(
-                f"rollout.prompts_per_batch changed from {state['prompts_per_batch']} to "
-                f"{cfg.rollout.prompts_per_batch}; a resume must keep it"
-            )
+                f"{path / 'trainer.json'}: damaged driver state ({type(exc).__name__}: {exc}); "
+                "restore the file, or start a new run"
+            ) from None
+        _check_prompts_per_batch(P, cfg)
         _check_same_config(run, path, trainer.get("config"), cfg)
     acked_at = [int(r.get("step", 0)) for r in read_metrics(run.metrics)
                 if r.get("kind") == "checkpoint" and r.get("acked", 1)]  # fmt: skip
@@ -354,6 +357,14 @@ def check_resumable(run: RunDir, cfg: Any) -> None:
         raise ResumeError(
             f"{run.path} has already trained {done} steps, and run.steps is {cfg.run.steps}: "
             f"nothing to resume; to train it further, give run.steps=N with N > {done}"
+        )
+
+
+def _check_prompts_per_batch(saved: int, cfg: Any) -> None:
+    if cfg.rollout.prompts_per_batch != saved:
+        raise ResumeError(
+            f"rollout.prompts_per_batch changed from {saved} to "
+            f"{cfg.rollout.prompts_per_batch}; a resume must keep it"
         )
 
 
@@ -416,6 +427,7 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
             faults=list(state.get("faults", [])),
             P=int(state["prompts_per_batch"]),
         )
+        _check_prompts_per_batch(res.P, cfg)  # also for a Driver made without the CLI
     res.accuracy = {
         int(r["step"]): float(r["accuracy"])
         for r in read_metrics(run.metrics)

@@ -103,11 +103,13 @@ class RunDir:
     log = property(lambda self: self.path / "logs" / "driver.log")
     trajectories = property(lambda self: self.path / "trajectories")
 
-    def lock(self) -> int:
+    def lock(self) -> int | None:
         """Hold this run directory for the calling process until it closes the returned file
         descriptor or exits (kill -9 included: the kernel drops the lock). A second driver
         that would write into a live run (`train --resume` of a run still going) is refused
-        with RunDirBusy, naming the driver that holds it."""
+        with RunDirBusy, naming the driver that holds it. None, with a warning, where the
+        file system has no locks (NFS without lockd, Lustre without -o flock)."""
+        import errno
         import fcntl
 
         fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -115,25 +117,48 @@ class RunDir:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            driver = (read_json_object(self.status) or {}).get("driver")
-            who = ""
-            if isinstance(driver, dict) and driver.get("pid"):
-                who = f" (driver pid {driver['pid']} on {driver.get('host', '?')})"
             raise RunDirBusy(
-                f"{self.path} is in use by a staleflow train still running{who}; stop it "
-                "first (Ctrl-C, or kill -TERM its pid: it checkpoints), then resume"
+                f"{self.path} is in use by a staleflow train still running{self._driver()}; "
+                "stop it first (Ctrl-C, or kill -TERM its pid: it checkpoints), then resume"
             ) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            logging.getLogger(__name__).warning(
+                "%s: the file system has no locks (%s): nothing stops a second staleflow "
+                "train from using this run directory at the same time",
+                self.path,
+                exc.strerror,
+            )
+            return None
         return fd
 
-    def in_use(self) -> bool:
-        """True while a `staleflow train` holds this run directory (see `lock`)."""
+    def in_use(self) -> bool | None:
+        """True while a `staleflow train` holds this run directory (see `lock`), False if
+        none does; None if that cannot be told (no .lock, written before staleflow locked
+        run directories; a file system without locks). Creates nothing."""
+        import fcntl
+
         try:
-            os.close(self.lock())
-        except RunDirBusy:
+            fd = os.open(self.path / ".lock", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
             return True
-        except OSError:  # cannot open .lock (read-only, gone): nothing to tell
-            return False
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # (also releases the shared lock just taken)
         return False
+
+    def _driver(self) -> str:
+        driver = (read_json_object(self.status) or {}).get("driver")
+        if isinstance(driver, dict) and driver.get("pid"):
+            return f" (driver pid {driver['pid']} on {driver.get('host', '?')})"
+        return ""
 
     def latest_checkpoint(self) -> Path | None:
         latest = self.checkpoints / "LATEST"
@@ -199,7 +224,7 @@ class MetricsWriter:
     def __init__(self, run: RunDir, tensorboard: bool, purge_step: int | None = None) -> None:
         """`purge_step`: a resumed run's first step; TensorBoard hides what the earlier run
         logged from there on (it is trained again)."""
-        self._path = run.metrics
+        self._path, self._tensorboard = run.metrics, run.tensorboard
         self._file = run.metrics.open("a", buffering=1)
         self._tb = None
         if tensorboard:
@@ -207,10 +232,16 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(str(run.tensorboard), flush_secs=10, purge_step=purge_step)
 
-    def reopen(self) -> None:
-        """Append to metrics.jsonl anew (it was replaced, e.g. cut back by a resume)."""
+    def reopen(self, tensorboard: bool, purge_step: int | None = None) -> None:
+        """Append to metrics.jsonl anew (it was replaced: cut back by a resume), and start
+        mirroring to TensorBoard now if asked (a resume opens it only once it is sure to go
+        on: the purge is written into the event files at once)."""
         self._file.close()
         self._file = self._path.open("a", buffering=1)
+        if tensorboard and self._tb is None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self._tensorboard), flush_secs=10, purge_step=purge_step)
 
     def write(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
         record = {"kind": kind, "step": step, "time": time.time(), **fields}

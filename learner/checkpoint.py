@@ -142,10 +142,13 @@ def check_files(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path}: checkpoint format {trainer.get('format')!r}, this build reads {FORMAT}"
         )
     names = ["model.safetensors", "rng.safetensors"]
-    sharded = sorted(p.name for p in path.glob("optimizer-rank*.safetensors"))
-    names += sharded or ["optimizer.safetensors"]
-    for shard in sharded:  # each rank's skeleton beside its tensors
-        _read_json(path / shard.replace(".safetensors", ".json"))
+    if trainer.get("sharded"):  # ZeRO 1-3 over several ranks: one partition per rank
+        ranks = range(int(trainer.get("world_size", 1)))
+        names += [f"optimizer-rank{r}.safetensors" for r in ranks]
+        for r in ranks:  # each rank's skeleton beside its tensors
+            _read_json(path / f"optimizer-rank{r}.json")
+    else:
+        names.append("optimizer.safetensors")
     for name in names:
         if not (path / name).is_file():
             raise CheckpointError(f"{path / name}: missing")

@@ -77,6 +77,19 @@ def test_behaviour_logprobs_equal_a_teacher_forced_pass(engine, temperature):
     assert checked > 40
 
 
+def test_a_seed_gives_each_prompt_its_own_samples_and_repeats_them(engine):
+    # One seed for every request of a call drew the same random numbers for each prompt:
+    # the same prompt twice in one call came back with the same responses.
+    _, tokenizer = tiny_model(seed=0)
+    prompt = prompt_ids(tokenizer)[0]
+    params = SamplingParams(1.0, max_new_tokens=12, seed=5)
+    out = engine.generate([prompt, prompt], 2, params)
+    first, second = ([c.token_ids.tolist() for c in row] for row in out)
+    assert first != second  # tiny model, 12 tokens at temperature 1: never alike by chance
+    again = engine.generate([prompt, prompt], 2, params)
+    assert [[c.token_ids.tolist() for c in row] for row in again] == [first, second]
+
+
 @pytest.mark.parametrize(("transport", "seed"), [("shm", 1), ("rpc", 3)])
 def test_load_weights_in_buckets_changes_outputs(engine, tmp_path, transport, seed):
     # shm: each bucket through a file (here in tmp_path, to see it removed); rpc: its bytes
