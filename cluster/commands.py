@@ -292,7 +292,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError
     from staleflow.buffer.server import RedisServerError
-    from staleflow.cluster.failures import ClusterUnreachable
+    from staleflow.cluster.failures import BatchStalled, ClusterUnreachable
     from staleflow.cluster.placement import ActorStartError
 
     try:
@@ -306,6 +306,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     except (
         ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError,
         RewardError, PromptTooLongError, ActorStartError, ConfigError, ClusterUnreachable,
+        BatchStalled,
     ) as exc:  # fmt: skip
         return _fail(f"{exc} (run directory: {run.path})")
     finally:

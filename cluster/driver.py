@@ -31,7 +31,7 @@ from typing import Any
 
 from staleflow.buffer.connection import BufferConnectionError
 from staleflow.cluster.evaluations import Evaluations
-from staleflow.cluster.failures import LearnerFailed, rank_error
+from staleflow.cluster.failures import BatchStalled, LearnerFailed, rank_error
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
 from staleflow.cluster.resources import ipc_scale_refusal, scale_placement_refusal
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
@@ -219,10 +219,16 @@ class Driver(CheckpointMixin):
         c = self.counts
         if not report.trained:
             if self.schedule.lockstep and self.batch_was_complete:
-                raise RuntimeError(
-                    f"lockstep: batch {self.step + 1} was complete but the learner took fewer "
-                    f"than its {self.schedule.G} groups in {COMPLETE_BATCH_WAIT_S:g} s; see "
-                    "`staleflow buffer stats`"
+                st = self.buffer.stats()
+                raise BatchStalled(
+                    f"lockstep: batch {self.step + 1} was pushed whole but the learner took "
+                    f"fewer than its {self.schedule.G} groups in {COMPLETE_BATCH_WAIT_S:g} s. "
+                    f"The buffer of run {self.run_id} has refused {st.duplicates} pushes as "
+                    f"duplicates (group ids it already holds or trained: another run with "
+                    f"this name on the same Redis?), dropped {st.dropped_stale} stale and "
+                    f"{st.dropped_invalid} invalid groups, and holds {st.undelivered} "
+                    f"undelivered and {st.pending - st.held} pending (taken by a consumer, "
+                    "not trained) groups"
                 )
             return
         if report.version != self.step:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 
-__all__ = ["ClusterUnreachable", "LearnerFailed", "rank_error"]
+__all__ = ["BatchStalled", "ClusterUnreachable", "LearnerFailed", "rank_error"]
 
 logger = logging.getLogger(__name__)
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
@@ -14,6 +14,11 @@ _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
 class ClusterUnreachable(RuntimeError):
     """`--address` names no Ray cluster this process can join (nothing has started yet)."""
+
+
+class BatchStalled(RuntimeError):
+    """A lock-step batch was pushed whole, yet the learner could not take it: its groups were
+    refused or dropped by the buffer, or taken by another consumer (the message says which)."""
 
 
 class LearnerFailed(RuntimeError):

@@ -453,3 +453,36 @@ def test_train_joins_an_existing_ray_cluster_and_leaves_it_running(tmp_path, ray
 
     assert ray.get(add_one.remote(41)) == 42
     assert ray.cluster_resources().get("CPU", 0) >= 1
+
+
+def test_a_whole_batch_the_learner_cannot_take_stops_the_run_saying_where_it_went(
+    tmp_path, ray_local, monkeypatch
+):
+    # Injected: the learner reports that it got fewer than G groups of batch 1, which its
+    # workers pushed whole (as when the buffer refused them, or another consumer took them).
+    # This was a bare RuntimeError ("see staleflow buffer stats"), printed as a traceback.
+    import ray
+
+    from staleflow.cluster import driver
+    from staleflow.cluster.failures import BatchStalled
+    from staleflow.cluster.learner_rank import StepReport
+    from staleflow.cluster.placement import LearnerGroup
+
+    waits = []
+
+    def learner_gets_nothing(self, wait_s, publish):
+        waits.append(wait_s)
+        return [ray.put(StepReport(False, 0))]
+
+    monkeypatch.setattr(LearnerGroup, "train", learner_gets_nothing)
+    with pytest.raises(BatchStalled) as err:
+        run_driver(tmp_path, "run.name=stall", "sync.offset=0", "run.steps=2")
+    assert waits[-1] == driver.COMPLETE_BATCH_WAIT_S  # the call made once batch 1 was whole
+    message = str(err.value)
+    assert "batch 1 was pushed whole but the learner took fewer than its 2 groups" in message
+    # the buffer's own counts: the 2 groups are there, never taken; none refused or dropped
+    assert "has refused 0 pushes as duplicates" in message
+    assert "dropped 0 stale and 0 invalid groups, and holds 2 undelivered and 0 pending" in message
+    summary = json.loads((tmp_path / "stall" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith("BatchStalled: lockstep: batch 1")
