@@ -222,9 +222,10 @@ class RolloutWorker:
         # A driver's batch is seeded by its number and first prompt, whichever worker runs it:
         # a batch redone after a resume or on a replacement worker samples the same responses
         # (a worker's own count restarts at 0 in every new worker process)
-        seed = self.seed * 1_000_003 + self._batches
         if ids is not None:
             seed = ((rollout.seed * 1_000_003 + ids[0]) * 1_000_003 + ids[1]) % (1 << 63)
+        else:  # a worker used on its own (tests, scripts): its own count
+            seed = self.seed * 1_000_003 + self._batches
         sampling = SamplingParams.from_config(rollout, seed=seed)
         self._batches += 1
         encoded = [self.encode_prompt(p) for p in prompts]

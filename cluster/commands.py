@@ -254,9 +254,8 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
                 "buffer.redis_url=redis://... or $STALEFLOW_REDIS_URL (a server every node "
                 "reaches), or run the driver on a node of the cluster with --address auto"
             )
-    except (ConfigError, ValueError, ResumeError, ModelError, RunDirBusy) as exc:  # TaskError:
-        return _fail(str(exc))  # a ValueError
-    except FileNotFoundError as exc:  # --resume of a directory that holds no run
+    # (TaskError is a ValueError; FileNotFoundError: --resume of a directory with no run)
+    except (ConfigError, ValueError, ResumeError, ModelError, RunDirBusy, FileNotFoundError) as exc:
         return _fail(str(exc))
     if resume:
         run = RunDir(resume)

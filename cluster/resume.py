@@ -299,17 +299,16 @@ def _driver_state(checkpoint: Path) -> dict[str, Any]:
 def resumable_checkpoint(run: RunDir) -> Path | None:
     """The checkpoint LATEST names (None: the run made none yet); ResumeError if LATEST names
     a directory that is gone (LATEST is written after its directory is complete)."""
+    path = run.latest_checkpoint()
     latest = run.checkpoints / "LATEST"
-    if not latest.is_file():
-        return None
-    name = latest.read_text().strip()
-    if not (run.checkpoints / name).is_dir():
+    if path is None and latest.is_file():
+        name = latest.read_text().strip()
         raise ResumeError(
             f"{latest} names {name}, which is missing: the groups trained up to it were "
             "acknowledged (removed from the buffer) when it was made, so no older checkpoint "
             f"can redo them; restore {run.checkpoints / name}, or start a new run"
         )
-    return run.checkpoints / name
+    return path
 
 
 def check_resumable(run: RunDir, cfg: Any) -> None:
@@ -376,10 +375,10 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
 
     if not isinstance(saved, dict):
         return  # an older checkpoint without its config: nothing to compare
-    now = json.loads(redact(cfg.model_dump_json()))
+    now = _flat(json.loads(redact(cfg.model_dump_json())))
     free = {*_RESUMABLE, "run.name", "run.output_dir"}
     for key, old in _flat(saved).items():
-        new = _flat(now).get(key, old)  # a key this build added or dropped: not a change
+        new = now.get(key, old)  # a key this build added or dropped: not a change
         if key not in free and new != old:
             raise ResumeError(
                 f"{key} is {json.dumps(new)} in {run.config} but {json.dumps(old)} in the "

@@ -221,27 +221,27 @@ class MetricsWriter:
     """Appends records to metrics.jsonl (flushed per line, so a crash keeps all but the last)
     and mirrors numeric fields to TensorBoard as `<kind>/<key>`."""
 
-    def __init__(self, run: RunDir, tensorboard: bool, purge_step: int | None = None) -> None:
-        """`purge_step`: a resumed run's first step; TensorBoard hides what the earlier run
-        logged from there on (it is trained again)."""
+    def __init__(self, run: RunDir, tensorboard: bool) -> None:
         self._path, self._tensorboard = run.metrics, run.tensorboard
         self._file = run.metrics.open("a", buffering=1)
-        self._tb = None
+        self._tb: Any = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(run.tensorboard), flush_secs=10, purge_step=purge_step)
+            self._start_tensorboard(None)
 
     def reopen(self, tensorboard: bool, purge_step: int | None = None) -> None:
         """Append to metrics.jsonl anew (it was replaced: cut back by a resume), and start
-        mirroring to TensorBoard now if asked (a resume opens it only once it is sure to go
-        on: the purge is written into the event files at once)."""
+        mirroring to TensorBoard now if asked. `purge_step`: a resumed run's first step;
+        TensorBoard hides what the earlier run logged from there on (it is trained again).
+        A resume opens it only once it is sure to go on: the purge is written at once."""
         self._file.close()
         self._file = self._path.open("a", buffering=1)
         if tensorboard and self._tb is None:
-            from tensorboardX import SummaryWriter
+            self._start_tensorboard(purge_step)
 
-            self._tb = SummaryWriter(str(self._tensorboard), flush_secs=10, purge_step=purge_step)
+    def _start_tensorboard(self, purge_step: int | None) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(str(self._tensorboard), flush_secs=10, purge_step=purge_step)
 
     def write(self, kind: str, step: int, **fields: Any) -> dict[str, Any]:
         record = {"kind": kind, "step": step, "time": time.time(), **fields}

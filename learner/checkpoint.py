@@ -136,11 +136,7 @@ def check_files(path: str | os.PathLike[str]) -> dict[str, Any]:
     from safetensors import safe_open
 
     path = Path(path)
-    trainer = _read_json(path / "trainer.json")
-    if trainer.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: checkpoint format {trainer.get('format')!r}, this build reads {FORMAT}"
-        )
+    trainer = _read_trainer(path)
     names = ["model.safetensors", "rng.safetensors"]
     if trainer.get("sharded"):  # ZeRO 1-3 over several ranks: one partition per rank
         ranks = range(int(trainer.get("world_size", 1)))
@@ -167,11 +163,7 @@ def load_checkpoint(learner: Any, path: str | os.PathLike[str]) -> dict[str, Any
 
     rank, world = _rank(learner)
     path = Path(path)
-    trainer = _read_json(path / "trainer.json")
-    if trainer.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path}: checkpoint format {trainer.get('format')!r}, this build reads {FORMAT}"
-        )
+    trainer = _read_trainer(path)
     stage = learner.cfg.learner.zero_stage
     if trainer.get("zero_stage") != stage:
         raise CheckpointError(
@@ -346,6 +338,16 @@ def _unflatten(
             ]
             return tuple(items) if skeleton.get("__tuple__") else items
     return skeleton
+
+
+def _read_trainer(path: Path) -> dict[str, Any]:
+    """trainer.json of checkpoint `path`, refused unless this build reads its format."""
+    trainer = _read_json(path / "trainer.json")
+    if trainer.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path}: checkpoint format {trainer.get('format')!r}, this build reads {FORMAT}"
+        )
+    return trainer
 
 
 def _read_json(path: Path) -> dict[str, Any]:
