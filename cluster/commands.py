@@ -186,6 +186,27 @@ def _default_of(field: Any) -> str:
     return f" [{getattr(default, 'name', default)}]"
 
 
+def _driver_gone(run: Any, status: dict) -> str | None:
+    """Why `run`'s driver is gone though status.json says it runs (killed: kill -9, an OOM
+    kill, a lost node), or None. The run directory's lock tells, from any host that shares
+    the file system; where it cannot (no .lock: a run from before staleflow locked them; no
+    locks on this file system), the driver's pid, on its own host only."""
+    held = run.in_use()
+    if held is None:
+        driver = status.get("driver")
+        driver = driver if isinstance(driver, dict) else {}
+        pid = driver.get("pid")
+        local = driver.get("host") == socket.gethostname() and isinstance(pid, int)
+        held = not local or _pid_alive(pid)
+    if held:
+        return None
+    return (
+        f"run {run.path.name}'s driver is gone, though its status still says "
+        f"{status.get('state')} (killed?){run.driver_label()}; continue it with staleflow train "
+        f"--resume {run.path}"
+    )
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -417,15 +438,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return _fail(f"--workers must be at least 1, got {args.workers}")
     if args.timeout < 0:  # 0: leave the request and do not wait
         return _fail(f"--timeout must be 0 or more, got {args.timeout:g}")
-    driver = status.get("driver")
-    driver = driver if isinstance(driver, dict) else {}
-    pid = driver.get("pid")
-    if driver.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
-        return _fail(
-            f"run {run.path.name}'s driver (pid {driver['pid']}) is gone, though its status "
-            f"still says {status['state']} (killed?); continue it with staleflow train "
-            f"--resume {run.path}"
-        )
+    gone = _driver_gone(run, status)
+    if gone:
+        return _fail(gone)
     try:  # the run's resolved config (dump_config: JSON)
         resolved = json.loads(run.config.read_text())
         method, reserved = resolved["sync"]["method"], resolved["rollout"]["num_workers"]
@@ -445,6 +460,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
         if status.get("workers") == args.workers and not (run.control / "scale.json").exists():
             print(f"run {run.path.name}: {args.workers} rollout workers")
             return 0
+        gone = _driver_gone(run, status)
+        if gone:  # killed while we waited: no confirmation can come
+            (run.control / "scale.json").unlink(missing_ok=True)
+            return _fail(gone)
     return _fail(
         f"the driver did not confirm {args.workers} workers within {args.timeout:.0f} s; the "
         f"request stays in {run.control} and is applied at the driver's next event"

@@ -118,7 +118,7 @@ class RunDir:
         except BlockingIOError:
             os.close(fd)
             raise RunDirBusy(
-                f"{self.path} is in use by a staleflow train still running{self._driver()}; "
+                f"{self.path} is in use by a staleflow train still running{self.driver_label()}; "
                 "stop it first (Ctrl-C, or kill -TERM its pid: it checkpoints), then resume"
             ) from None
         except OSError as exc:
@@ -154,7 +154,8 @@ class RunDir:
             os.close(fd)  # (also releases the shared lock just taken)
         return False
 
-    def _driver(self) -> str:
+    def driver_label(self) -> str:
+        """' (driver pid P on HOST)' from status.json, or '' if it names none."""
         driver = (read_json_object(self.status) or {}).get("driver")
         if isinstance(driver, dict) and driver.get("pid"):
             return f" (driver pid {driver['pid']} on {driver.get('host', '?')})"

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -346,12 +347,63 @@ def test_scale_of_a_run_whose_driver_is_gone_says_so_at_once(tmp_path):
     run.status.write_text(json.dumps(status))
     out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "60")
     assert out.returncode == 2
-    assert f"run killed's driver (pid {dead.pid}) is gone" in out.stderr
+    assert "run killed's driver is gone, though its status still says running" in out.stderr
+    assert f"(driver pid {dead.pid} on {socket.gethostname()})" in out.stderr
     assert f"staleflow train --resume {run.path}" in out.stderr
     assert not (run.control / "scale.json").exists()  # no request left behind
     out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "-1")
     assert out.returncode == 2
     assert "--timeout must be 0 or more, got -1" in out.stderr
+
+
+def test_scale_asks_the_run_directory_lock_whether_the_driver_lives(tmp_path):
+    # The lock tells from any host; the pid only on the driver's own host, and a reused pid
+    # looks alive: status.json names this test's own pid, alive, yet the driver that held
+    # the lock is gone. While a driver holds the lock, scale waits; if the driver dies
+    # during the wait, scale says so then, instead of waiting out its --timeout.
+    import socket
+
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import dump_config, load_config
+
+    run = RunDir.create(str(tmp_path), "locked")
+    run.config.write_text(dump_config(load_config(REPO / "configs/tiny.yaml")))
+    status = {"state": "running", "workers": 2,
+              "driver": {"host": socket.gethostname(), "pid": os.getpid()}}  # fmt: skip
+    run.status.write_text(json.dumps(status))
+    os.close(run.lock())  # a driver held it, and was killed (the kernel dropped its lock)
+    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "60")
+    assert out.returncode == 2
+    assert "run locked's driver is gone" in out.stderr, out.stderr
+    assert not (run.control / "scale.json").exists()
+
+    holder = subprocess.Popen(  # a live "driver": holds the lock until its stdin closes
+        [sys.executable, "-c", "import sys; from staleflow.cluster.rundir import RunDir; "
+         f"fd = RunDir({str(run.path)!r}).lock(); print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        scale = subprocess.Popen(
+            [EXE, "scale", str(run.path),
+             "--workers", "3", "--timeout", "120"],
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        # waiting for the live driver's confirmation: its request is left for the driver
+        deadline = time.monotonic() + 60
+        while not (run.control / "scale.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (run.control / "scale.json").exists()
+        assert scale.poll() is None
+        holder.stdin.close()  # the driver dies without confirming
+        holder.wait(timeout=30)
+        _, err = scale.communicate(timeout=60)  # well before --timeout 120
+        assert scale.returncode == 2
+        assert "run locked's driver is gone" in err, err
+        assert f"staleflow train --resume {run.path}" in err
+        assert not (run.control / "scale.json").exists()  # no request left for a resume
+    finally:
+        holder.kill()
 
 
 def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
