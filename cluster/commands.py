@@ -162,7 +162,7 @@ def check_before_start(cfg: Any) -> None:
     check_model_source(cfg.model)
 
 
-def _check_engine_installed(cfg: Any, address: str | None) -> None:
+def check_engine_installed(cfg: Any, address: str | None) -> None:
     """A local run with rollout.engine vllm needs vLLM in this environment (its workers run
     here): refused before Ray starts, not by every worker after. On a cluster (--address) the
     workers' nodes may have it where the driver's does not, so nothing is checked there."""
@@ -263,7 +263,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_before_start(cfg)
-        _check_engine_installed(cfg, args.address)
+        check_engine_installed(cfg, args.address)
         if (
             cfg.buffer.redis_url is None
             and redis_url_from_env() is None
@@ -535,7 +535,7 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from staleflow.cluster.failures import ClusterUnreachable
-    from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep
+    from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep, write_sweep_json
     from staleflow.cluster.sweep_report import write_sweep_report
     from staleflow.configs import ConfigError
 
@@ -570,6 +570,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             done[0] += 1
             accuracy = (summary or {}).get("accuracy_after")
             tail = f", held-out accuracy {accuracy:.3f}" if isinstance(accuracy, float) else ""
+            if status == "failed":
+                tail = f": {(summary or {}).get('error') or 'see its logs/driver.log'}"
             minutes = (time.time() - started) / 60
             print(
                 f"[{done[0]}/{total}] {cell.name}: {status}{tail} ({minutes:.1f} min)", flush=True
@@ -581,10 +583,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             )
         except KeyboardInterrupt:  # between cells (a cell's own Ctrl-C stops it cleanly)
             results = {"": "interrupted"}
-        except ClusterUnreachable as exc:
+        except (ClusterUnreachable, ConfigError) as exc:  # (a SweepError is a ConfigError)
             return _fail(str(exc))
     else:
         results = {}
+        if (sweep.directory / "sweep.json").is_file():  # the report as the file says now
+            write_sweep_json(sweep)
     if not (sweep.directory / "sweep.json").is_file():
         return _fail(f"{sweep.directory} has no cells yet; run the sweep first")
     try:
@@ -594,7 +598,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print((sweep.directory / "summary.md").read_text(), end="")
     print(f"report: {report}")
     if any(s == "interrupted" for s in results.values()):
-        print("interrupted: run the same command again to resume", file=sys.stderr)
+        print(
+            "interrupted: run the same command again to go on (completed cells are kept; an "
+            "interrupted cell starts again from step 0, its attempt kept under incomplete/)",
+            file=sys.stderr,
+        )
         return 130
     return 1 if any(s == "failed" for s in results.values()) else 0
 

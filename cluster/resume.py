@@ -375,9 +375,9 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
 
     if not isinstance(saved, dict):
         return  # an older checkpoint without its config: nothing to compare
-    now = _flat(json.loads(redact(cfg.model_dump_json())))
+    now = flatten(json.loads(redact(cfg.model_dump_json())))
     free = {*_RESUMABLE, "run.name", "run.output_dir"}
-    for key, old in _flat(saved).items():
+    for key, old in flatten(saved).items():
         new = now.get(key, old)  # a key this build added or dropped: not a change
         if key not in free and new != old:
             raise ResumeError(
@@ -388,11 +388,12 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
             )
 
 
-def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: a config as its dotted keys."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

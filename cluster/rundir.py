@@ -66,6 +66,32 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def lock_file(path: Path, who: str, what: str) -> int | None:
+    """An exclusive flock on `path` (made if missing), held until the returned descriptor is
+    closed or the process exits (kill -9 included). BlockingIOError while another process
+    holds it. None, with a warning, where the file system has no locks (NFS without lockd,
+    Lustre without -o flock): nothing then stops a second `who` from using the `what`."""
+    import errno
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if isinstance(exc, BlockingIOError) or exc.errno not in (
+            errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL,
+        ):  # fmt: skip
+            raise
+        logging.getLogger(__name__).warning(
+            "%s: the file system has no locks (%s): nothing stops a second %s from using "
+            "this %s at the same time",
+            path.parent, exc.strerror, who, what,
+        )  # fmt: skip
+        return None
+    return fd
+
+
 class RunDirBusy(RuntimeError):
     """Another process holds the run directory (a driver still running there)."""
 
@@ -109,30 +135,13 @@ class RunDir:
         that would write into a live run (`train --resume` of a run still going) is refused
         with RunDirBusy, naming the driver that holds it. None, with a warning, where the
         file system has no locks (NFS without lockd, Lustre without -o flock)."""
-        import errno
-        import fcntl
-
-        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock_file(self.path / ".lock", "staleflow train", "run directory")
         except BlockingIOError:
-            os.close(fd)
             raise RunDirBusy(
                 f"{self.path} is in use by a staleflow train still running{self.driver_label()}; "
                 "stop it first (Ctrl-C, or kill -TERM its pid: it checkpoints), then resume"
             ) from None
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                raise
-            logging.getLogger(__name__).warning(
-                "%s: the file system has no locks (%s): nothing stops a second staleflow "
-                "train from using this run directory at the same time",
-                self.path,
-                exc.strerror,
-            )
-            return None
-        return fd
 
     def in_use(self) -> bool | None:
         """True while a `staleflow train` holds this run directory (see `lock`), False if

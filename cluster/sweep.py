@@ -95,15 +95,23 @@ class Sweep:
         return self.configs[cell.name]
 
 
+def _placement(sweep: Sweep, cell: Cell) -> tuple[str, str]:
+    """The overrides that put a cell's run where the sweep looks for it. The name is quoted:
+    an override's value is read as YAML, where a label like 0.001 or on is no string."""
+    return f"run.name={json.dumps(cell.name)}", f"run.output_dir={json.dumps(str(sweep.runs))}"
+
+
 def _cell_config(sweep: Sweep, cell: Cell) -> Any:
-    from staleflow.cluster.schedule import check_schedule
+    """The cell's resolved config, refused (SweepError) for whatever `staleflow train` would
+    refuse before starting it: a bad cell stops the sweep before any cell runs."""
+    from staleflow.actors.models import ModelError
+    from staleflow.cluster.commands import check_before_start
     from staleflow.configs import load_config
 
-    placement = (f"run.name={cell.name}", f"run.output_dir={sweep.runs}")
     try:
-        cfg = load_config(sweep.base, (*sweep.overrides, *cell.overrides, *placement))
-        check_schedule(cfg)
-    except ConfigError as exc:
+        cfg = load_config(sweep.base, (*sweep.overrides, *cell.overrides, *_placement(sweep, cell)))
+        check_before_start(cfg)
+    except (ConfigError, ValueError, ModelError) as exc:  # (a TaskError is a ValueError)
         raise SweepError(f"{sweep.source}: cell {cell.name}: {exc}") from None
     return cfg
 
@@ -231,6 +239,11 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         cell_name = "__".join(labels[a] for a in names)
         if not _NAME.match(cell_name):
             raise SweepError(f"{path}: cell name {cell_name!r} is not a valid run name")
+        if cell_name in sweep.configs:  # labels holding the separator: a__b + c = a + b__c
+            raise SweepError(
+                f"{path}: two cells are both named {cell_name!r} (cell names join the labels "
+                "with __); use labels without __"
+            )
         overrides = tuple(o for _, os_ in combo for o in os_)
         cell = Cell(cell_name, labels, overrides)
         sweep.cells.append(cell)
@@ -251,8 +264,36 @@ def run_status(run: Path) -> str:
     return "incomplete" if run.exists() else "new"
 
 
+def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
+    """How the config a cell's run was made with (its config.json) differs from the cell's
+    config now (an edited sweep or base file): one "key: then -> now" per key. Keys only one
+    of the two has (a newer staleflow) and the run's name and place are not compared."""
+    from staleflow.cluster.resume import flatten
+    from staleflow.configs.loader import redact
+
+    saved = read_json_object(sweep.runs / cell.name / "config.json")
+    if saved is None:
+        return []
+    now = flatten(json.loads(redact(sweep.config(cell).model_dump_json())))
+    then = flatten(saved)
+    return [
+        f"{key}: {json.dumps(then[key])} -> {json.dumps(now[key])}"
+        for key in sorted(then.keys() & now.keys())
+        if key not in ("run.name", "run.output_dir") and then[key] != now[key]
+    ]
+
+
 def cell_status(sweep: Sweep, cell: Cell) -> str:
-    return run_status(sweep.runs / cell.name)
+    """ "running" (another process runs it now), "completed", "changed" (completed with
+    other settings than the sweep's now), "incomplete" or "new"."""
+    from staleflow.cluster.rundir import RunDir
+
+    if RunDir(sweep.runs / cell.name).in_use():
+        return "running"
+    status = run_status(sweep.runs / cell.name)
+    if status == "completed" and config_changes(sweep, cell):
+        return "changed"
+    return status
 
 
 def _set_aside(sweep: Sweep, cell: Cell) -> None:
@@ -263,28 +304,86 @@ def _set_aside(sweep: Sweep, cell: Cell) -> None:
     logger.warning("cell %s was incomplete; moved to %s and run again", cell.name, target)
 
 
-def run_sweep(
-    sweep: Sweep,
-    *,
-    address: str | None = None,
-    parallel: int = 1,
-    on_cell: Callable[[Cell, str, dict[str, Any] | None], None] | None = None,
-) -> dict[str, str]:
-    """Run every cell not yet completed; returns cell -> final status. Stops after a cell
-    that was interrupted (Ctrl-C): run the same command again to resume."""
-    sweep.runs.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def _holding(sweep: Sweep) -> Iterator[None]:
+    """Hold the sweep directory while this process runs its cells: a second `staleflow
+    sweep` of it is refused, instead of setting aside (or running again) cells in progress."""
+    import os
+    import socket
+
+    from staleflow.cluster.rundir import lock_file
+
+    sweep.directory.mkdir(parents=True, exist_ok=True)
+    path = sweep.directory / ".lock"
+    try:
+        fd = lock_file(path, "staleflow sweep", "sweep directory")
+    except BlockingIOError:
+        holder = path.read_text(errors="replace").strip() or "pid unknown"
+        raise SweepError(
+            f"{sweep.directory} is in use by another staleflow sweep ({holder}); wait for it "
+            "to finish, or stop it (Ctrl-C), then run this again"
+        ) from None
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _check_cells(sweep: Sweep, todo: list[Cell], address: str | None) -> None:
+    """SweepError for what would spoil the sweep once cells run: a cell another process is
+    running, a completed cell whose settings are not the sweep's any more (its results would
+    be reported under the new settings), a cell whose engine is not installed here."""
+    from staleflow.cluster.commands import check_engine_installed
+    from staleflow.cluster.rundir import RunDir
+
+    for cell in sweep.cells:
+        status = cell_status(sweep, cell)
+        if status == "running":
+            raise SweepError(
+                f"cell {cell.name} is being run by another process"
+                f"{RunDir(sweep.runs / cell.name).driver_label()}; wait for it or stop it, then "
+                "run the sweep again"
+            )
+        if status == "changed":
+            changes = config_changes(sweep, cell)
+            raise SweepError(
+                f"cell {cell.name} in {sweep.directory} completed with other settings than the "
+                f"sweep's now ({'; '.join(changes[:3])}{'; ...' if len(changes) > 3 else ''}): "
+                "give the sweep another name: (or --out DIR) to keep both, or move "
+                f"{sweep.runs / cell.name} away to run the cell again"
+            )
+    for cell in todo:
+        try:
+            check_engine_installed(sweep.config(cell), address)
+        except ConfigError as exc:
+            raise SweepError(f"{sweep.source}: cell {cell.name}: {exc}") from None
+
+
+def write_sweep_json(sweep: Sweep) -> None:
+    """<sweep dir>/sweep.json: what the report reads (cells, labels, figures' axes), with
+    any password in an override masked."""
+    from staleflow.configs.loader import redact
+
     write_text(  # atomically: --report-only reads it
         sweep.directory / "sweep.json",
         json.dumps(
             {
                 "source": str(sweep.source),
                 "base": str(sweep.base),
-                "overrides": list(sweep.overrides),
+                "overrides": [redact(o) for o in sweep.overrides],
                 "columns": sweep.columns,
                 "lines": sweep.lines,
                 "threshold": sweep.threshold,
                 "cells": [
-                    {"name": c.name, "labels": c.labels, "overrides": list(c.overrides)}
+                    {
+                        "name": c.name,
+                        "labels": c.labels,
+                        "overrides": [redact(o) for o in c.overrides],
+                    }
                     for c in sweep.cells
                 ],
             },
@@ -292,25 +391,42 @@ def run_sweep(
         )
         + "\n",
     )
-    results: dict[str, str] = {}
-    todo = []
-    for cell in sweep.cells:
-        status = cell_status(sweep, cell)
-        if status == "completed":
-            results[cell.name] = "skipped (completed)"
-            if on_cell is not None:
-                on_cell(cell, "skipped", None)
-            continue
-        if status == "incomplete":
-            _set_aside(sweep, cell)
-        todo.append(cell)
-    if not todo:
+
+
+def run_sweep(
+    sweep: Sweep,
+    *,
+    address: str | None = None,
+    parallel: int = 1,
+    on_cell: Callable[[Cell, str, dict[str, Any] | None], None] | None = None,
+) -> dict[str, str]:
+    """Run every cell not yet completed; returns cell -> final status ("completed",
+    "failed": the other cells still run, "interrupted", "skipped (completed)"). Stops after
+    a cell that was interrupted (Ctrl-C): run the same command again to go on; an interrupted
+    cell then starts again from step 0, its attempt kept under incomplete/. Refuses
+    (SweepError) before running anything when another sweep holds the directory, or a cell
+    is running or completed with other settings (`_check_cells`)."""
+    with _holding(sweep):
+        statuses = {cell.name: cell_status(sweep, cell) for cell in sweep.cells}
+        todo = [cell for cell in sweep.cells if statuses[cell.name] != "completed"]
+        _check_cells(sweep, todo, address)
+        sweep.runs.mkdir(parents=True, exist_ok=True)
+        write_sweep_json(sweep)
+        results: dict[str, str] = {}
+        for cell in sweep.cells:
+            if statuses[cell.name] == "completed":
+                results[cell.name] = "skipped (completed)"
+                if on_cell is not None:
+                    on_cell(cell, "skipped", None)
+            elif statuses[cell.name] == "incomplete":
+                _set_aside(sweep, cell)
+        if not todo:
+            return results
+        if parallel > 1:
+            results.update(_run_processes(sweep, todo, address, parallel, on_cell))
+        else:
+            results.update(_run_in_process(sweep, todo, address, on_cell))
         return results
-    if parallel > 1:
-        results.update(_run_processes(sweep, todo, address, parallel, on_cell))
-    else:
-        results.update(_run_in_process(sweep, todo, address, on_cell))
-    return results
 
 
 @contextlib.contextmanager
@@ -336,8 +452,14 @@ def _ray_for(sweep: Sweep, todo: list[Cell], address: str | None) -> Iterator[No
 def _run_in_process(
     sweep: Sweep, todo: list[Cell], address: str | None, on_cell: Any
 ) -> dict[str, str]:
-    """Cells one after another, sharing one Ray instance (started once, stopped at the end)."""
+    """Cells one after another, sharing one Ray instance (started once, stopped at the end).
+    A cell that fails is reported "failed" (its error in its logs/driver.log) and the next
+    one runs, as with --parallel; a lost Ray cluster stops the sweep."""
+    import os
+
     from staleflow.cluster.driver import Driver
+    from staleflow.cluster.failures import ClusterUnreachable
+    from staleflow.cluster.progress import Progress
     from staleflow.cluster.rundir import RunDir
 
     results: dict[str, str] = {}
@@ -345,12 +467,22 @@ def _run_in_process(
         for cell in todo:
             if on_cell is not None:
                 on_cell(cell, "started", None)
+            cfg = sweep.config(cell)
             run = RunDir.create(str(sweep.runs), cell.name)
+            fd = run.lock()  # as `staleflow train` does: a `train --resume` of it is refused
             handler = run.attach_log()
             try:
-                summary = Driver(sweep.config(cell), run, address=address).run()
+                progress = Progress(cell.name, cfg.run.log_every)
+                summary = Driver(cfg, run, address=address, progress=progress).run()
+            except ClusterUnreachable:
+                raise
+            except Exception as exc:  # the cell's own failure: the other cells still run
+                logger.error("cell %s failed", cell.name, exc_info=True)  # to its driver.log
+                summary = {"status": "failed", "error": _one_line(exc)}
             finally:
                 logging.getLogger().removeHandler(handler)
+                if fd is not None:
+                    os.close(fd)
             results[cell.name] = summary["status"]
             if on_cell is not None:
                 on_cell(cell, summary["status"], summary)
@@ -359,11 +491,57 @@ def _run_in_process(
     return results
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: staleflow's own errors by their message, others by type."""
+    text = str(exc).strip().splitlines()
+    if type(exc).__module__.startswith("staleflow") and text:
+        return text[0]
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class _Stopped(Exception):
+    """SIGTERM reached a sweep running cells as processes (raised by its handler)."""
+
+
+def _child_command(sweep: Sweep, cell: Cell, join: str) -> tuple[list[str], dict[str, str]]:
+    """The `staleflow train` of one cell, and its environment: a Redis URL given as an
+    override goes in $STALEFLOW_REDIS_URL, never on a command line that `ps` shows."""
+    import os
+
+    env = dict(os.environ)
+    overrides = []
+    for override in (*sweep.overrides, *cell.overrides):
+        key, _, value = override.partition("=")
+        url = json.loads(value) if key == "buffer.redis_url" else None
+        if isinstance(url, str):
+            env["STALEFLOW_REDIS_URL"] = url
+        else:
+            overrides.append(override)
+    argv = [
+        sys.executable, "-m", "staleflow.cluster.cli", "train", str(sweep.base), *overrides,
+        *_placement(sweep, cell), "--address", join,
+    ]  # fmt: skip
+    return argv, env
+
+
+def _last_error(log: Path) -> str | None:
+    """The last "error: ..." line a cell's `staleflow train` wrote (its one-line failure)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((ln[7:] for ln in reversed(lines) if ln.startswith("error: ")), None)
+
+
 def _run_processes(
     sweep: Sweep, todo: list[Cell], address: str | None, parallel: int, on_cell: Any
 ) -> dict[str, str]:
     """Up to `parallel` cells at once, each a `staleflow train` process on one Ray cluster
-    (the given address, or a local one this process starts and the cells join)."""
+    (the given address, or a local one this process starts and the cells join). Each runs
+    in a session of its own: Ctrl-C (or SIGTERM) reaches this process, which passes it on
+    to each cell once (a second SIGINT would stop a run without its checkpoint), and waits
+    for them before it stops the Ray they use. Each cell's output is appended to
+    logs/<cell>.out (an earlier attempt's is kept above it)."""
     import ray
 
     results: dict[str, str] = {}
@@ -371,40 +549,60 @@ def _run_processes(
     queue = list(todo)
     logs = sweep.directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    with _ray_for(sweep, todo, address):
-        join = address or ray.get_runtime_context().gcs_address
-        try:
-            while queue or running:
-                while queue and len(running) < parallel:
-                    cell = queue.pop(0)
-                    argv = [
-                        sys.executable, "-m", "staleflow.cluster.cli", "train", str(sweep.base),
-                        *sweep.overrides, *cell.overrides, f"run.name={cell.name}",
-                        f"run.output_dir={sweep.runs}", "--address", join,
-                    ]  # fmt: skip
-                    out = open(logs / f"{cell.name}.out", "wb")  # noqa: SIM115
-                    proc = subprocess.Popen(argv, stdout=out, stderr=out)
-                    running[cell.name] = (cell, proc, out)
-                    if on_cell is not None:
-                        on_cell(cell, "started", None)
-                time.sleep(0.5)
-                for name, (cell, proc, out) in list(running.items()):
-                    if proc.poll() is None:
-                        continue
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Stopped
+
+    import threading
+
+    main = threading.current_thread() is threading.main_thread()  # where handlers can be set
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
+    try:
+        with _ray_for(sweep, todo, address):
+            join = address or ray.get_runtime_context().gcs_address
+            try:
+                while queue or running:
+                    while queue and len(running) < parallel:
+                        cell = queue.pop(0)
+                        argv, env = _child_command(sweep, cell, join)
+                        out = open(logs / f"{cell.name}.out", "ab")  # noqa: SIM115
+                        started = time.strftime("%Y-%m-%d %H:%M:%S")
+                        out.write(f"--- {started} {cell.name}\n".encode())
+                        out.flush()
+                        proc = subprocess.Popen(
+                            argv, stdout=out, stderr=out, env=env, start_new_session=True
+                        )
+                        running[cell.name] = (cell, proc, out)
+                        if on_cell is not None:
+                            on_cell(cell, "started", None)
+                    time.sleep(0.5)
+                    for name, (cell, proc, out) in list(running.items()):
+                        if proc.poll() is None:
+                            continue
+                        out.close()
+                        del running[name]
+                        status = (
+                            "completed" if proc.returncode == 0
+                            else "interrupted" if proc.returncode in _STOPPED_CLEANLY
+                            else "failed"
+                        )  # fmt: skip
+                        results[name] = status
+                        summary = read_summary(sweep.runs / cell.name)
+                        if status == "failed":
+                            error = _last_error(logs / f"{cell.name}.out")
+                            error = error or f"exit status {proc.returncode}"
+                            summary = {**(summary or {}), "status": status, "error": error}
+                        if on_cell is not None:
+                            on_cell(cell, status, summary)
+            except (KeyboardInterrupt, _Stopped) as exc:
+                sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
+                for _, proc, _ in running.values():
+                    proc.send_signal(sig)  # once: each run checkpoints and stops cleanly
+                for name, (_, proc, out) in running.items():
+                    proc.wait()
                     out.close()
-                    del running[name]
-                    status = (
-                        "completed" if proc.returncode == 0
-                        else "interrupted" if proc.returncode in _STOPPED_CLEANLY else "failed"
-                    )  # fmt: skip
-                    results[name] = status
-                    if on_cell is not None:
-                        on_cell(cell, status, read_summary(sweep.runs / cell.name))
-        except KeyboardInterrupt:
-            for _, proc, _ in running.values():
-                proc.send_signal(signal.SIGINT)  # each run stops cleanly, as on a terminal
-            for name, (_, proc, out) in running.items():
-                proc.wait()
-                out.close()
-                results[name] = "interrupted"
+                    results[name] = "interrupted"
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
     return results

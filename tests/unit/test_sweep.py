@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -77,6 +78,18 @@ grid:
         (
             "grid: {algo: {'a b': {sync.interval: 1}, a_b: {sync.interval: 2}}}\n",
             "'a b' and 'a_b' both make the cell label 'a_b'",
+        ),
+        # labels holding the separator: a__b + c and a + b__c would share one run directory
+        (
+            "grid: {x: {a__b: {run.seed: 1}, a: {run.seed: 2}}, "
+            "y: {c: {sync.interval: 1}, b__c: {sync.interval: 2}}}\n",
+            "two cells are both named 'a__b__c'",
+        ),
+        # what `staleflow train` refuses before starting, checked for every cell up front
+        ("grid: {sync.method: [ray, nccl]}\n", r"(?s)cell method-nccl: .*nccl"),
+        (
+            "grid: {task: {t: {task.name: custom, task.path: /nonexistent.jsonl}}}\n",
+            r"(?s)cell t: .*nonexistent\.jsonl",
         ),
         # lockstep with a bound below the schedule's worst lag cannot run: refused up front
         (
@@ -203,3 +216,137 @@ def test_report_with_one_axis_for_columns_and_lines_gives_minutes_and_the_seed_r
     assert (b["final_low"], b["final_high"]) == (0.8, 0.9)
     assert a["minutes"] == pytest.approx((600 + 660) / 2 / 60)  # 10.5
     assert "| a | 2 |" in (tmp_path / "summary.md").read_text()
+
+
+# ------------------------------------------------------------------ running cells (no Ray)
+
+
+class FakeDriver:
+    """Stands in for the Driver (and Ray) to test the sweep's own bookkeeping: it writes a
+    completed run's config.json and summary.json, or raises for the cells in `fail`."""
+
+    fail: ClassVar[dict[str, Exception]] = {}
+    seen_locked: ClassVar[list[bool]] = []
+
+    def __init__(self, cfg, run, address=None, progress=None):
+        self.cfg, self.rundir = cfg, run
+
+    def run(self):
+        from staleflow.cluster.rundir import write_text
+        from staleflow.configs.loader import dump_config, redact
+
+        FakeDriver.seen_locked.append(self.rundir.in_use() is True)
+        write_text(self.rundir.config, redact(dump_config(self.cfg)) + "\n")
+        if self.cfg.run.name in self.fail:
+            raise self.fail[self.cfg.run.name]
+        summary = {"status": "completed", "steps": self.cfg.run.steps}
+        write_text(self.rundir.summary, json.dumps(summary))
+        return summary
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    import contextlib
+
+    from staleflow.cluster import driver, sweep
+
+    monkeypatch.setattr(driver, "Driver", FakeDriver)
+    monkeypatch.setattr(sweep, "_ray_for", lambda *a: contextlib.nullcontext())
+    FakeDriver.fail, FakeDriver.seen_locked = {}, []
+    return FakeDriver
+
+
+def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path, fake_driver):
+    from staleflow.actors.models import ModelError
+    from staleflow.cluster.sweep import run_sweep
+
+    sweep = load_sweep(sweep_file(tmp_path, "grid: {run.seed: [0, 1, 2]}\n"), tmp_path / "o")
+    fake_driver.fail = {"seed-1": ModelError("model directory /m is gone; give model.path")}
+    seen = []
+    results = run_sweep(sweep, on_cell=lambda c, st, s: seen.append((c.name, st, s)))
+    assert results == {"seed-0": "completed", "seed-1": "failed", "seed-2": "completed"}
+    assert ("seed-1", "failed", {"status": "failed",
+            "error": "model directory /m is gone; give model.path"}) in seen  # fmt: skip
+    log = (sweep.runs / "seed-1" / "logs" / "driver.log").read_text()
+    assert "cell seed-1 failed" in log
+    assert "Traceback" in log  # the whole error, in the cell's log
+    assert fake_driver.seen_locked == [True] * 3  # each cell held its run directory
+    # run again: the failed cell is set aside and run again, the others are kept
+    fake_driver.fail = {}
+    results = run_sweep(load_sweep(sweep.source, tmp_path / "o"))
+    assert results["seed-1"] == "completed"
+    assert results["seed-0"] == results["seed-2"] == "skipped (completed)"
+    assert [p.name.rsplit("-", 2)[0] for p in (sweep.directory / "incomplete").iterdir()] == [
+        "seed-1"
+    ]
+
+
+def test_completed_cells_made_with_other_settings_are_not_reported_as_new_ones(
+    tmp_path, fake_driver
+):
+    from staleflow.cluster.sweep import cell_status, run_sweep
+
+    path = sweep_file(tmp_path, "overrides: {run.steps: 40}\ngrid: {run.seed: [0, 1]}\n")
+    run_sweep(load_sweep(path, tmp_path / "o"))
+    before = (tmp_path / "o" / "s" / "sweep.json").read_text()
+    path.write_text(path.read_text().replace("run.steps: 40", "run.steps: 80"))
+    sweep = load_sweep(path, tmp_path / "o")
+    assert [cell_status(sweep, c) for c in sweep.cells] == ["changed", "changed"]
+    with pytest.raises(SweepError, match=r"cell seed-0 .* other settings .*run\.steps: 40 -> 80"):
+        run_sweep(sweep)
+    assert (tmp_path / "o" / "s" / "sweep.json").read_text() == before  # not relabelled
+    assert not (sweep.directory / "incomplete").exists()  # nothing moved
+    # the same settings again: nothing to do, nothing refused
+    path.write_text(path.read_text().replace("run.steps: 80", "run.steps: 40"))
+    assert set(run_sweep(load_sweep(path, tmp_path / "o")).values()) == {"skipped (completed)"}
+
+
+def test_a_sweep_leaves_cells_and_directories_in_use_alone(tmp_path, fake_driver):
+    import fcntl
+    import os
+
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.cluster.sweep import cell_status, run_sweep
+
+    sweep = load_sweep(sweep_file(tmp_path, "grid: {run.seed: [0, 1]}\n"), tmp_path / "o")
+    busy = RunDir.create(str(sweep.runs), "seed-1")  # a `train --resume` of a cell, running
+    fd = busy.lock()
+    try:
+        assert cell_status(sweep, sweep.cells[1]) == "running"
+        with pytest.raises(SweepError, match="cell seed-1 is being run by another process"):
+            run_sweep(sweep)
+        assert busy.path.is_dir()  # not moved to incomplete/
+        assert fake_driver.seen_locked == []  # and nothing ran
+    finally:
+        os.close(fd)
+    # another sweep of the same directory, running (its lock on the sweep directory)
+    other = os.open(sweep.directory / ".lock", os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(SweepError, match="in use by another staleflow sweep"):
+            run_sweep(sweep)
+    finally:
+        os.close(other)
+    assert run_sweep(sweep) == {"seed-0": "completed", "seed-1": "completed"}
+
+
+def test_labels_that_yaml_reads_as_numbers_still_name_their_run(tmp_path):
+    sweep = load_sweep(
+        sweep_file(tmp_path, "grid: {lr: {0.001: {run.seed: 1}, 'null': {run.seed: 2}}}\n")
+    )
+    assert [sweep.config(c).run.name for c in sweep.cells] == ["0.001", "null"]
+
+
+def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fake_driver):
+    from staleflow.cluster.sweep import _child_command, run_sweep
+
+    url = "redis://:hunter2@localhost:6379/0"
+    path = sweep_file(
+        tmp_path, f"overrides: {{buffer.redis_url: '{url}'}}\ngrid: {{run.seed: [0]}}\n"
+    )
+    sweep = load_sweep(path, tmp_path / "o")
+    run_sweep(sweep)
+    assert "hunter2" not in (sweep.directory / "sweep.json").read_text()
+    argv, env = _child_command(sweep, sweep.cells[0], "127.0.0.1:6379")
+    assert "hunter2" not in " ".join(argv)
+    assert env["STALEFLOW_REDIS_URL"] == url  # what the cell's train uses instead
