@@ -105,7 +105,14 @@ def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     _check_dir(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if tokenizer.eos_token_id is None:  # generation stops at it (and pads with it)
+            raise ModelError(
+                f"the tokenizer in {path} has no end-of-sequence token: set eos_token in its "
+                "tokenizer_config.json (a causal language model's end-of-text token)"
+            )
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    except ModelError:
+        raise
     except Exception as exc:  # transformers raises many types for broken files
         raise ModelError(f"cannot load the model in {path}: {type(exc).__name__}: {exc}") from exc
     if tokenizer.pad_token_id is None:

@@ -8,12 +8,14 @@ Built in: `arithmetic` (seeded a+b, a-b, a*b), `digits` (a toy reward for smoke 
 `gsm8k` (local JSONL), `reasoning_gym:<name>` (any reasoning-gym dataset, optional extra) and
 `custom` (prompts from a JSONL file, reward from an import path). Rewards never raise on strange
 model output: they return 0 with `parsed=False`, which the rollout worker counts. Held-out
-evaluation prompts are disjoint from training prompts: arithmetic and gsm8k split by a hash of
-the problem, reasoning-gym by seed.
+evaluation prompts are disjoint from training prompts where a split by a hash of the problem
+makes them so (arithmetic, gsm8k, custom); reasoning-gym's held-out set is another seed's
+draw, which can repeat a few training questions.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
@@ -64,6 +66,13 @@ class Score:
     parsed: bool
     extracted: str | None = None
     error: str | None = None  # the reward function raised: its traceback (reward is 0)
+    correct: bool | None = None  # for held-out accuracy; None: reward >= 1
+
+    @property
+    def is_correct(self) -> bool:
+        """What held-out accuracy counts: the task's own verdict where it gives one (a bonus
+        such as arithmetic's format_reward never makes a wrong answer right), else reward >= 1."""
+        return self.correct if self.correct is not None else self.reward >= 1.0
 
 
 class Task(Protocol):
@@ -83,7 +92,9 @@ class Task(Protocol):
 
 # ----------------------------------------------------------------------------- answers
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# A comma is read only as a thousands separator (1,234,567): "(3,4)" holds the numbers 3 and
+# 4, not 34, and "12,5" holds 12 and 5.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 
 
 def extract_final_number(text: str) -> float | None:
@@ -102,6 +113,11 @@ def extract_final_number(text: str) -> float | None:
 
 def _numbers_equal(value: float | None, reference: float) -> bool:
     return value is not None and abs(value - reference) < 1e-6
+
+
+def format_number(value: float) -> str:
+    """A number as text, exactly: 1234567 (not 1.23457e+06, which is another number), 0.5."""
+    return str(int(value)) if value.is_integer() else repr(value)
 
 
 EVAL_FRACTION = 0.1
@@ -132,8 +148,14 @@ def _shuffled_epochs(prompts: list[Prompt], seed: int) -> Iterator[Prompt]:
 
 
 def _repeat_to(items: list[Prompt], n: int, what: str) -> list[Prompt]:
+    if n == 0:
+        return []
     if not items:
-        raise TaskError(f"{what} has no held-out prompts")
+        raise TaskError(
+            f"{what} has no held-out prompts for task.eval_prompts={n}: raise "
+            "task.eval_fraction or add problems (gsm8k: or give task.eval_path), or set "
+            "task.eval_prompts: 0 to evaluate nothing"
+        )
     return [items[i % len(items)] for i in range(n)]
 
 
@@ -196,6 +218,8 @@ class ArithmeticTask:
             yield self._draw(rng, held_out=False)
 
     def eval_prompts(self, n: int) -> list[Prompt]:
+        if n == 0:
+            return []
         rng = random.Random(f"eval-{self.seed}")
         distinct: dict[str, Prompt] = {}
         for _ in range(50 * max(n, 1)):
@@ -209,10 +233,11 @@ class ArithmeticTask:
         value = extract_final_number(response)
         if value is None:
             return Score(0.0, parsed=False)
-        reward = 1.0 if _numbers_equal(value, float(prompt.answer)) else 0.0
+        correct = _numbers_equal(value, float(prompt.answer))
+        reward = 1.0 if correct else 0.0
         if self.format_reward and re.fullmatch(r"\s*-?\d+\s*\.?\s*", response):
             reward += self.format_reward
-        return Score(reward, parsed=True, extracted=f"{value:g}")
+        return Score(reward, parsed=True, extracted=format_number(value), correct=correct)
 
 
 class DigitsTask:
@@ -274,10 +299,9 @@ class GSM8KTask:
         value = extract_final_number(response)
         if value is None:
             return Score(0.0, parsed=False)
+        correct = _numbers_equal(value, float(prompt.answer))
         return Score(
-            1.0 if _numbers_equal(value, float(prompt.answer)) else 0.0,
-            parsed=True,
-            extracted=f"{value:g}",
+            1.0 if correct else 0.0, parsed=True, extracted=format_number(value), correct=correct
         )
 
 
@@ -290,18 +314,24 @@ def _read_gsm8k(path: Path) -> list[Prompt]:
                 f"{path}:{line_no}: needs a 'question' string and an 'answer' string ending in "
                 "'#### <number>'"
             )
+        if not question.strip():
+            raise TaskError(f"{path}:{line_no}: the question is empty")
         final = extract_final_number(answer.rsplit("####", 1)[1])
         if final is None:
             raise TaskError(f"{path}:{line_no}: no number after '####' in the answer")
         rows.append(
-            Prompt(prompt_id=f"gsm8k:{path.name}:{line_no}", text=question, answer=f"{final:g}")
+            Prompt(
+                prompt_id=f"gsm8k:{path.name}:{line_no}", text=question, answer=format_number(final)
+            )
         )
     return rows
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # JSON Lines end at "\n" only: str.splitlines() would also split at U+2028, U+0085,
+        # form feeds..., which JSON strings may hold unescaped. A byte-order mark is skipped.
+        lines = path.read_text(encoding="utf-8-sig").split("\n")
     except FileNotFoundError:
         raise TaskError(f"{path}: no such file (task data is read from local files)") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -310,7 +340,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line.removesuffix("\r"))
         except json.JSONDecodeError as exc:
             raise TaskError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from None
         if not isinstance(obj, dict):
@@ -394,9 +424,13 @@ class CustomTask:
             text = obj.get("prompt")
             if not isinstance(text, str):
                 raise TaskError(f"{path}:{line_no}: needs a 'prompt' string")
-            prompts.append(
-                Prompt(f"custom:{line_no}", text, str(obj.get("answer", "")), metadata=obj)
+            if not text.strip():
+                raise TaskError(f"{path}:{line_no}: the prompt is empty")
+            answer = obj.get("answer")
+            answer = (
+                "" if answer is None else answer if isinstance(answer, str) else json.dumps(answer)
             )
+            prompts.append(Prompt(f"custom:{line_no}", text, answer, metadata=obj))
         self.train, self.eval = _split_by_hash(prompts, eval_fraction)
         if not self.train:
             raise TaskError(f"{path}: no training prompts")
@@ -408,10 +442,20 @@ class CustomTask:
         return _repeat_to(self.eval, n, "custom task")
 
     def score(self, prompt: Prompt, response: str) -> Score:
-        try:
-            reward = float(self.reward_fn(dict(prompt.metadata), response))
+        try:  # a copy all the way down: a function changing it would change later rewards
+            value = self.reward_fn(copy.deepcopy(prompt.metadata), response)
         except Exception:  # a reward error, not a failed parse: the worker counts and logs it
             return Score(0.0, parsed=False, error=traceback.format_exc(limit=-3))
+        try:  # a number (bool, numpy and 0-d tensors too); text is no reward, even "1.0"
+            if isinstance(value, str | bytes):
+                raise TypeError
+            reward = float(value)
+        except (TypeError, ValueError):
+            return Score(
+                0.0, parsed=False,
+                error=f"the reward function returned {value!r:.80} ({type(value).__name__}), "
+                "not a number",
+            )  # fmt: skip
         if not math.isfinite(reward):
             return Score(0.0, parsed=False, error=f"the reward function returned {reward}")
         return Score(reward, parsed=True)

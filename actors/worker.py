@@ -78,7 +78,9 @@ class RewardError(RuntimeError):
 
 @dataclass(frozen=True)
 class EvalReport:
-    """Held-out accuracy: the fraction of responses with reward >= 1 (and the mean reward)."""
+    """Held-out accuracy: the fraction of responses the task scores correct (Score.is_correct:
+    arithmetic and gsm8k the right number, other tasks a reward of at least 1), the mean
+    reward, and the responses whose answer could not be read or whose reward function failed."""
 
     policy_version: int
     prompts: int
@@ -87,6 +89,7 @@ class EvalReport:
     parse_failures: int
     temperature: float
     examples: tuple[tuple[str, str, float], ...] = ()  # (prompt, response, reward), a few
+    reward_errors: int = 0
 
 
 class RolloutWorker:
@@ -126,10 +129,19 @@ class RolloutWorker:
             raise ValueError("an injected engine needs its tokenizer")
         self.engine, self.tokenizer = engine, tokenizer
         self.task = task if task is not None else make_task(cfg.task)
+        if self.task.chat_template and not getattr(tokenizer, "chat_template", None):
+            from staleflow.actors.models import ModelError
+
+            raise ModelError(
+                f"task.chat_template is true, but the tokenizer of model "
+                f"{cfg.model.path or cfg.model.preset} "
+                "has no chat template: set task.chat_template: false to give the model the raw "
+                "prompt text, or use a model that has one"
+            )
         self.buffer = buffer
         self.seed = cfg.rollout.seed + worker_index
         self._batches = 0
-        self._first_reward_error: str | None = None
+        self._logged_reward_error = False
         # Workers share the task's prompt stream but each starts at its own offset, so two
         # workers do not sample the same prompts in lock step.
         self._prompts = itertools.islice(self.task.train_prompts(), worker_index * 7919, None)
@@ -232,7 +244,7 @@ class RolloutWorker:
         start = time.perf_counter()
         completions = self.engine.generate(encoded, rollout.group_size, sampling)
         generate_s = time.perf_counter() - start
-        groups, rewards, failures, errors = [], [], 0, 0
+        groups, rewards, failures, errors, first_error = [], [], 0, 0, None
         for i, (prompt, tokens, samples) in enumerate(
             zip(prompts, encoded, completions, strict=True)
         ):
@@ -241,7 +253,7 @@ class RolloutWorker:
                 score = self.task.score(prompt, c.text)
                 if score.error is not None:
                     errors += 1
-                    self._reward_error(score.error, prompt)
+                    first_error = first_error or self._reward_error(score.error, prompt)
                 else:
                     failures += not score.parsed
                 rewards.append(score.reward)
@@ -268,13 +280,7 @@ class RolloutWorker:
                     group_id=batch_group_id(self.run_id, ids[0], ids[1] + i) if ids else None,
                 )
             )
-        limit = self.cfg.task.max_reward_errors
-        if errors and errors > limit * len(rewards):
-            raise RewardError(
-                f"{self.worker_id}: the reward function raised for {errors} of {len(rewards)} "
-                f"responses (task.max_reward_errors={limit:g}); the first error:\n"
-                f"{self._first_reward_error}"
-            )
+        self._check_reward_errors(errors, len(rewards), first_error)
         pushed = sum(self.buffer.push_many(groups)) if self.buffer is not None else 0
         tokens = sum(g.num_tokens for g in groups)
         return BatchReport(
@@ -294,14 +300,27 @@ class RolloutWorker:
             node=_ray_node(),
         )
 
-    def _reward_error(self, error: str, prompt: Prompt) -> None:
-        """Count a reward function's exception; log its traceback the first time."""
-        if self._first_reward_error is None:
-            self._first_reward_error = f"prompt {prompt.prompt_id}: {error}"
+    def _reward_error(self, error: str, prompt: Prompt) -> str:
+        """A reward function's failure, as quoted in errors; its traceback is logged the
+        first time this worker meets one."""
+        described = f"prompt {prompt.prompt_id}: {error}"
+        if not self._logged_reward_error:
+            self._logged_reward_error = True
             logger.error(
-                "%s: the reward function raised (scored 0, counted as a reward error; logged "
-                "once): %s", self.worker_id, self._first_reward_error,
+                "%s: the reward function failed (scored 0, counted as a reward error; logged "
+                "once): %s", self.worker_id, described,
             )  # fmt: skip
+        return described
+
+    def _check_reward_errors(self, errors: int, responses: int, first: str | None) -> None:
+        """RewardError when the reward function failed for more than task.max_reward_errors
+        of a batch's (or an evaluation's) responses, quoting its first failure there."""
+        limit = self.cfg.task.max_reward_errors
+        if errors and errors > limit * responses:
+            raise RewardError(
+                f"{self.worker_id}: the reward function failed for {errors} of {responses} "
+                f"responses (task.max_reward_errors={limit:g}); the first error:\n{first}"
+            )
 
     def evaluate(
         self, n_prompts: int | None = None, temperature: float | None = None, weights: Any = None
@@ -317,6 +336,10 @@ class RolloutWorker:
         )
         completions = self.engine.generate([self.encode_prompt(p) for p in prompts], 1, sampling)
         scores = [self.task.score(p, c[0].text) for p, c in zip(prompts, completions, strict=True)]
+        failed = [(s, p) for s, p in zip(scores, prompts, strict=True) if s.error is not None]
+        if failed:  # as in training: logged, counted, and past the limit an error
+            first = self._reward_error(failed[0][0].error or "", failed[0][1])
+            self._check_reward_errors(len(failed), len(scores), first)
         examples = tuple(
             (p.text, c[0].text, s.reward)
             for p, c, s in itertools.islice(zip(prompts, completions, scores, strict=True), 3)
@@ -324,9 +347,10 @@ class RolloutWorker:
         return EvalReport(
             policy_version=self.engine.version,
             prompts=len(prompts),
-            accuracy=sum(s.reward >= 1.0 for s in scores) / max(len(scores), 1),
+            accuracy=sum(s.is_correct for s in scores) / max(len(scores), 1),
             reward_mean=statistics.fmean(s.reward for s in scores) if scores else 0.0,
-            parse_failures=sum(not s.parsed for s in scores),
+            parse_failures=sum(not s.parsed and s.error is None for s in scores),
+            reward_errors=len(failed),
             temperature=temp,
             examples=examples,
         )

@@ -148,9 +148,9 @@ def _markdown_default(field: Any) -> str:
 def check_before_start(cfg: Any) -> None:
     """What `staleflow train` refuses before starting anything (before it makes the run
     directory), and `staleflow config` reports: the schedule against buffer.max_staleness,
-    the sync method against the roles' devices (ConfigError), the task's files and reward
-    function (TaskError), a model.path that is not a model directory on this machine, where
-    the driver loads it (ModelError)."""
+    the sync method against the roles' devices (ConfigError), the task's files, reward
+    function and held-out prompts (TaskError), a model.path that is not a model directory on
+    this machine, where the driver loads it (ModelError)."""
     from staleflow.actors.models import check_model_source
     from staleflow.actors.tasks import make_task
     from staleflow.cluster.resources import check_sync_method
@@ -158,7 +158,8 @@ def check_before_start(cfg: Any) -> None:
 
     check_schedule(cfg)
     check_sync_method(cfg)
-    make_task(cfg.task)
+    task = make_task(cfg.task)
+    task.eval_prompts(min(cfg.task.eval_prompts, 1))  # an empty held-out set, refused now
     check_model_source(cfg.model)
 
 
@@ -473,8 +474,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from staleflow.actors.models import ModelError
     from staleflow.actors.tasks import TaskError
-    from staleflow.actors.worker import RolloutWorker
+    from staleflow.actors.worker import PromptTooLongError, RewardError, RolloutWorker
     from staleflow.configs import ConfigError, load_config, parse_config
+    from staleflow.configs.schema import TaskConfig
 
     target = Path(args.target)
     overrides = list(args.overrides)
@@ -489,9 +491,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         if (target / "config.json").is_file() and (target / "checkpoints").is_dir():
             cfg = load_config(target / "config.json", overrides)  # a run: latest checkpoint
-            weights = _checkpoint_weights(target)
+            try:
+                weights = _checkpoint_weights(target)
+            except Exception as exc:  # a damaged checkpoint: torn JSON, a truncated file
+                return _fail(
+                    f"cannot read the latest checkpoint of {target}: {type(exc).__name__}: "
+                    f"{exc}; point checkpoints/LATEST at an earlier one, or evaluate a model "
+                    "directory"
+                )
             if weights is None:
-                print(f"note: {target} has no checkpoint yet; evaluating the initial weights")
+                print(f"note: {target} has no checkpoint yet; evaluating the initial weights",
+                      file=sys.stderr)  # fmt: skip
         elif (target / "config.json").is_file() and any(target.glob("*.safetensors")):
             model = json.dumps({"model": {"path": str(target)}})  # JSON is YAML
             cfg = parse_config(model, overrides, source=f"{target} (model directory)")
@@ -503,6 +513,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             )
     except ConfigError as exc:
         return _fail(str(exc))
+    if cfg.task.eval_prompts == 0:  # a run that evaluated nothing: evaluate as by default
+        default = TaskConfig.model_fields["eval_prompts"].default
+        print(f"note: task.eval_prompts is 0 in this config; evaluating {default} prompts "
+              "(--prompts N for another number)", file=sys.stderr)  # fmt: skip
+        cfg = cfg.model_copy(update={"task": cfg.task.model_copy(update={"eval_prompts": default})})
     try:  # a broken model directory or task data: one line, not a traceback
         worker = RolloutWorker(cfg, run_id="eval")
         version = 0
@@ -510,7 +525,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             version, arrays = weights
             worker.load_weights(arrays, version)
         report = worker.evaluate()
-    except (ModelError, TaskError) as exc:
+    except (ModelError, TaskError, RewardError, PromptTooLongError) as exc:
         return _fail(str(exc))
     result = {"target": str(target), "version": version, "task": cfg.task.name, **vars(report)}
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))

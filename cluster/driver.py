@@ -344,8 +344,8 @@ class Driver(CheckpointMixin):
         self.metrics.write(
             "eval", step, accuracy=report.accuracy, reward_mean=report.reward_mean,
             prompts=report.prompts, temperature=report.temperature,
-            parse_failures=report.parse_failures, wall_s=time.time() - self.started,
-            examples=[list(e) for e in report.examples],
+            parse_failures=report.parse_failures, reward_errors=report.reward_errors,
+            wall_s=time.time() - self.started, examples=[list(e) for e in report.examples],
         )  # fmt: skip
         if self.progress is not None:
             self.progress.eval(step, report.accuracy)

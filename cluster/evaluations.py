@@ -1,5 +1,6 @@
 """Held-out evaluations in flight: each runs on a rollout worker with one published version,
-next to the training (run.eval_every), and one whose worker died is retried once."""
+next to the training (run.eval_every), and one that failed is retried once, unless its error
+would only repeat (the task's data, its reward function, a prompt too long)."""
 
 from __future__ import annotations
 
@@ -42,13 +43,23 @@ class Evaluations:
 
         step = next(s for r, s in self.running if r == ref)
         self.running = [(r, s) for r, s in self.running if r != ref]
+        from staleflow.actors.tasks import TaskError
+        from staleflow.actors.worker import PromptTooLongError, RewardError
+
         try:
             return step, ray.get(ref)
-        except Exception as exc:  # its worker died
+        except Exception as exc:  # its worker died, or the evaluation itself failed
+            cause = getattr(exc, "cause", None)  # RayTaskError: what the worker raised
+            shown = cause if isinstance(cause, BaseException) else exc
+            repeats = isinstance(shown, TaskError | RewardError | PromptTooLongError)
             weights = published.get(step)
-            retry = step not in self._retried and weights is not None and self.pool.active
-            logger.warning("evaluation at step %d failed (%s)%s", step, type(exc).__name__,
-                           "; retrying" if retry else "; skipped")  # fmt: skip
+            retry = (
+                not repeats and step not in self._retried and weights is not None
+                and bool(self.pool.active)
+            )  # fmt: skip
+            first = (str(shown).strip().splitlines() or [""])[0]
+            logger.warning("evaluation at step %d failed: %s: %s%s", step, type(shown).__name__,
+                           first, "; retrying" if retry else "; skipped")  # fmt: skip
             self._retried.add(step)
             if retry:
                 self.start(step, weights)

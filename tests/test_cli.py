@@ -279,12 +279,18 @@ def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_pat
     # train used to make the run directory, write an empty report with seven empty plots,
     # and only then find the model directory missing; `config` printed these as fine
     missing = tmp_path / "no-such"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(6)))
     for overrides, message in [
         (["model.preset=null", f"model.path={missing}"], f"model directory {missing} does not"),
         (["model.preset=null", f"model.path={tmp_path}"], "it has no config.json"),
         (["task.name=gsm8k", f"task.path={missing}.jsonl"], "no such file"),
         (["task.name=custom", f"task.path={missing}.jsonl", "task.reward_fn=nope.x:f"],
          "cannot import reward function 'nope.x:f'"),
+        # 6 prompts, none held out by the hash split (about 1 in 10 is), yet 32 asked for:
+        # each evaluation of the run failed and was skipped, its log naming only a type
+        (["task.name=custom", f"task.path={prompts}", "task.reward_fn=math:fabs"],
+         "custom task has no held-out prompts for task.eval_prompts=1"),
     ]:  # fmt: skip
         out = staleflow("config", "configs/tiny.yaml", *overrides)
         assert (out.returncode, out.stdout) == (2, ""), out.stderr

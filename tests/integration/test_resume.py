@@ -305,13 +305,13 @@ def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, mo
     )  # fmt: skip
     assert code == 2, out[-3000:]
     # one prompt x 2 samples per worker, the first traceback quoted
-    assert "the reward function raised for 2 of 2 responses" in out
+    assert "the reward function failed for 2 of 2 responses" in out
     assert "KeyError: 'nope'" in out
     summary = json.loads((tmp_path / "runs/bad/summary.json").read_text())
     assert summary["status"] == "failed"
     # the reason stays with the run, not only on the terminal
     assert summary["error"].startswith("RewardError: bad-w")  # the worker's id, then why
-    assert "the reward function raised for 2 of 2 responses" in summary["error"]
+    assert "the reward function failed for 2 of 2 responses" in summary["error"]
     assert "KeyError: 'nope'" in summary["error"]
     log = (tmp_path / "runs/bad/logs/driver.log").read_text()
     assert "the run failed: RewardError: bad-w" in log

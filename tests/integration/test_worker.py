@@ -150,13 +150,73 @@ def test_reward_errors_are_counted_logged_once_and_stop_the_batch_past_the_limit
     assert report.reward_errors == 2  # 2 of 20 = 0.1: at the limit, the batch goes on
     assert report.parse_failures == 0  # a reward error is not a failed parse
     assert report.reward_mean == pytest.approx(18 / 20)  # the two score 0
-    logged = [r for r in caplog.records if "the reward function raised" in r.getMessage()]
+    logged = [r for r in caplog.records if "the reward function failed" in r.getMessage()]
     assert len(logged) == 1  # the first traceback, once
     assert "KeyError: 'answer'" in logged[0].getMessage()
 
     strict = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0.05")
-    with pytest.raises(RewardError, match=r"(?s)raised for 2 of 20 responses.*KeyError: 'answer'"):
+    with pytest.raises(RewardError, match=r"(?s)failed for 2 of 20 responses.*KeyError: 'answer'"):
         strict.run_batch(policy_version=0)
+
+
+def test_a_batch_quotes_its_own_first_reward_error(tmp_path, monkeypatch):
+    from staleflow.actors.worker import RewardError
+
+    # the first batch fails once (allowed), the second for every response: its error names
+    # its own failure, not the first batch's (the first error was kept for the worker's life)
+    body = """
+        calls = 0
+        def fn(meta, text):
+            global calls
+            calls += 1
+            if calls == 1:
+                raise KeyError("first batch")
+            if calls > 20:
+                raise ValueError("second batch")
+            return 1.0
+        """
+    worker = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0.1")
+    assert worker.run_batch(policy_version=0).reward_errors == 1
+    with pytest.raises(RewardError, match=r"(?s)failed for 20 of 20.*ValueError: second batch"):
+        worker.run_batch(policy_version=0)
+
+
+def test_held_out_evaluation_counts_reward_errors_and_stops_past_the_limit(tmp_path, monkeypatch):
+    from staleflow.actors.worker import RewardError
+
+    # the reward function fails for the prompts ending in 0 or 5: evaluation used to fold
+    # them into parse_failures, silently
+    body = """
+        def fn(meta, text):
+            if meta["prompt"][-1] in "05":
+                raise KeyError("answer")
+            return 1.0
+        """
+    worker = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0.5",
+                            "task.eval_fraction=0.5")  # fmt: skip
+    report = worker.evaluate(n_prompts=20)
+    held_out = worker.task.eval_prompts(20)
+    failing = sum(p.text[-1] in "05" for p in held_out)
+    assert 0 < failing <= 10  # (the held-out half of 40 prompts, by hash)
+    assert report.reward_errors == failing
+    assert report.parse_failures == 0
+    assert report.accuracy == pytest.approx(1 - failing / 20)
+    strict = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0",
+                            "task.eval_fraction=0.5")  # fmt: skip
+    with pytest.raises(RewardError, match=rf"failed for {failing} of 20 responses"):
+        strict.evaluate(n_prompts=20)
+
+
+def test_a_chat_template_asked_for_but_missing_is_an_error_not_raw_text():
+    from staleflow.actors.models import ModelError, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None  # a base model's tokenizer
+    cfg = parse_config(CONFIG, ["task.chat_template=true"])
+    worker = RolloutWorker(cfg, run_id="run")  # the tiny preset has one
+    with pytest.raises(ModelError, match=r"task\.chat_template is true, but the tokenizer .* "
+                       r"has no chat template: set task\.chat_template: false"):  # fmt: skip
+        RolloutWorker(cfg, run_id="run", engine=worker.engine, tokenizer=tokenizer)
 
 
 def test_a_prompt_longer_than_the_context_is_refused_naming_it_and_the_fix():
@@ -172,3 +232,44 @@ def test_a_prompt_longer_than_the_context_is_refused_naming_it_and_the_fix():
         r"model's context of 256 tokens\. Shorten or remove",
     ):
         worker.run_batch(policy_version=0, prompts=[long])
+
+
+def test_an_evaluation_failing_as_it_would_again_is_not_retried_and_says_why(ray_local, caplog):
+    # a held-out set the task cannot give: the worker raises TaskError inside Ray. The log
+    # said only "failed (RayTaskError(TaskError)); retrying", then ran it again to fail again
+    import ray
+
+    from staleflow.actors.tasks import TaskError
+    from staleflow.cluster.evaluations import Evaluations
+
+    @ray.remote
+    def evaluate(fail_with: str) -> str:
+        if fail_with == "task":
+            raise TaskError("custom task has no held-out prompts for task.eval_prompts=64")
+        raise ConnectionError("the worker's node went away")
+
+    class Pool:  # the one part faked: which "worker" runs the evaluation
+        def __init__(self) -> None:
+            self.active, self.calls = ["w0"], []
+
+        def evaluate(self, worker, weights, prompts):
+            self.calls.append(weights)
+            return evaluate.remote(weights)
+
+    for cause, retried in [("task", False), ("node", True)]:
+        pool = Pool()
+        evaluations = Evaluations(pool, prompts=64)
+        evaluations.start(3, cause)
+        ref = evaluations.refs[0]
+        ray.wait([ref])
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            step, report = evaluations.finished(ref, {3: cause})
+        assert (step, report) == (3, None)
+        assert pool.calls == [cause] * (2 if retried else 1)
+        message = caplog.records[-1].getMessage()
+        if retried:
+            assert "ConnectionError: the worker's node went away; retrying" in message
+        else:
+            assert "TaskError: custom task has no held-out prompts" in message
+            assert message.endswith("; skipped")

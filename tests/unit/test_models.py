@@ -54,6 +54,20 @@ def test_corrupt_weights_are_reported_with_the_path(tmp_path, monkeypatch):
         load_model(ModelConfig(path=str(path)))
 
 
+def test_a_tokenizer_without_an_end_of_sequence_token_is_named(tmp_path, monkeypatch):
+    # padding fell back to a None eos, and generation failed later with a bare TypeError
+    import json
+
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path / "cache"))
+    path = tiny_dir(seed=0)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    for key in ("eos_token", "bos_token", "pad_token"):
+        config.pop(key)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=f"the tokenizer in {path} has no end-of-sequence token"):
+        load_model(ModelConfig(path=str(path)))
+
+
 def test_smollm2_without_its_package(monkeypatch, tmp_path):
     monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path))
     real = importlib.util.find_spec

@@ -35,6 +35,12 @@ from staleflow.configs import ConfigError, parse_config
         ("no number here", None),
         ("", None),
         ("7 then 8", 8.0),  # the final number counts
+        # a comma only separates thousands: a pair, a list, a decimal comma are other numbers
+        ("the point (3,4)", 4.0),
+        ("x = 1,2,3", 3.0),
+        ("12,5", 5.0),
+        ("1,234,567.5 in all", 1234567.5),
+        ("1,23", 23.0),
         ("\U0001f600 42 \u00e9", 42.0),
     ],
 )
@@ -122,6 +128,101 @@ def test_arithmetic_difficulty_and_operations():
 def write_jsonl(path, rows):
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def test_a_format_bonus_is_reward_never_accuracy():
+    # format_reward pays for a bare number, right or wrong (shaping); held-out accuracy
+    # counts right answers only: with a bonus of 1.0, a wrong bare "8" scores 1.0 yet is wrong
+    task = ArithmeticTask(format_reward=1.0)
+    wrong, right = task.score(arith_prompt(7), "8"), task.score(arith_prompt(7), "It is 7")
+    assert (wrong.reward, wrong.is_correct) == (1.0, False)  # 0 for the answer + 1.0 bonus
+    assert (right.reward, right.is_correct) == (1.0, True)  # 1 for the answer, no bonus
+    assert task.score(arith_prompt(7), "7").reward == 2.0  # both
+
+
+def test_gsm8k_answers_keep_every_digit(tmp_path):
+    # the reference was formatted with %g: 1234567 became 1.23457e+06, a right answer
+    # scored 0 and the wrong 1,234,570 scored 1
+    rows = [{"question": f"Q{i}", "answer": a} for i, a in
+            enumerate(["#### 1234567", "#### 0.1234567", "#### 12,345,678"])]  # fmt: skip
+    task = GSM8KTask(str(write_jsonl(tmp_path / "t.jsonl", rows)), eval_path=None)
+    prompts = {p.text: p for p in task.train + task.eval}
+    assert [prompts[f"Q{i}"].answer for i in range(3)] == ["1234567", "0.1234567", "12345678"]
+    big = prompts["Q0"]
+    assert task.score(big, "The answer is 1234567").reward == 1.0
+    assert task.score(big, "The answer is 1,234,570").reward == 0.0
+    assert task.score(big, "1234567").extracted == "1234567"
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    # U+2028 and U+0085 may stand unescaped in a JSON string; a byte-order mark and
+    # CRLF line ends are read too; line numbers are the editor's
+    path = tmp_path / "p.jsonl"
+    body = ['{"prompt": "line1\u2028line2 \u0085 end"}', "", '{"prompt": "second"}']
+    path.write_bytes(("\ufeff" + "\r\n".join(body)).encode())
+    task = CustomTask(str(path), "staleflow.actors.tasks:extract_final_number", eval_fraction=0)
+    assert {p.prompt_id: p.text for p in task.train} == {
+        "custom:1": "line1\u2028line2 \u0085 end", "custom:3": "second",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"prompt": "  "}], r"p\.jsonl:1: the prompt is empty"),
+        ([{"prompt": "ok"}, {"prompt": ""}], r"p\.jsonl:2: the prompt is empty"),
+    ],
+)
+def test_empty_prompts_are_refused_at_load(tmp_path, rows, message):
+    with pytest.raises(TaskError, match=message):
+        CustomTask(str(write_jsonl(tmp_path / "p.jsonl", rows)), "math:fabs")
+    rows = [{"question": r.get("prompt"), "answer": "#### 1"} for r in rows]
+    with pytest.raises(TaskError, match=message.replace("prompt", "question")):
+        GSM8KTask(str(write_jsonl(tmp_path / "p.jsonl", rows)))
+
+
+def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch):
+    (tmp_path / "odd_rewards.py").write_text(
+        textwrap.dedent(
+            """
+            import numpy as np
+
+            def text(meta, response):
+                return "1.0"
+
+            def counting(meta, response):
+                meta["seen"]["n"] += 1  # changes its argument, nested
+                return float(meta["seen"]["n"])
+
+            def numpy_bool(meta, response):
+                return np.float32(0.5) if response else True
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "seen": {"n": 0},
+                                              "answer": None}])  # fmt: skip
+    made = {fn: CustomTask(str(path), f"odd_rewards:{fn}", eval_fraction=0)
+            for fn in ("text", "counting", "numpy_bool")}  # fmt: skip
+    prompt = made["text"].train[0]
+    assert prompt.answer == ""  # null: no answer, not the text 'None'
+    score = made["text"].score(prompt, "x")
+    assert (score.reward, score.parsed) == (0.0, False)
+    assert "returned '1.0' (str), not a number" in score.error
+    # the metadata is copied all the way down: the same response scores the same
+    assert [made["counting"].score(prompt, "x").reward for _ in range(2)] == [1.0, 1.0]
+    assert made["numpy_bool"].score(prompt, "x").reward == 0.5
+    assert made["numpy_bool"].score(prompt, "").reward == 1.0
+    sys.modules.pop("odd_rewards", None)
+
+
+def test_asking_for_no_held_out_prompts_gets_none(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(5)])
+    custom = CustomTask(str(path), "math:fabs", eval_fraction=0)  # no held-out prompts
+    assert custom.eval_prompts(0) == []
+    with pytest.raises(TaskError, match=r"no held-out prompts .*task\.eval_fraction"):
+        custom.eval_prompts(1)
+    assert ArithmeticTask().eval_prompts(0) == []
 
 
 def test_gsm8k_reads_local_jsonl_and_scores_final_numbers(tmp_path):
