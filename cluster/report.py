@@ -146,6 +146,8 @@ def write_report(run: RunDir) -> Path:
 
     try:
         summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
+        if not isinstance(summary, dict):
+            raise ValueError(f"a JSON {type(summary).__name__}, not an object")
     except ValueError as exc:  # a damaged file: the plots still come from metrics.jsonl
         logger.warning("%s cannot be read (%s): the report has no summary", run.summary, exc)
         summary = {}
@@ -168,7 +170,8 @@ def _html(run: RunDir, summary: dict[str, Any], config: str, steps: int) -> str:
         for k, v in summary.items()
         if not isinstance(v, dict)
     )
-    groups = summary.get("groups", {})
+    groups = summary.get("groups")
+    groups = groups if isinstance(groups, dict) else {}
     group_rows = "".join(
         f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in groups.items()
     )

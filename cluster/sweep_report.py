@@ -187,6 +187,7 @@ def write_sweep_report(directory: str | Path) -> Path:
             row.update({f"reward_{k}": reward.get(k) for k in ("initial", "final", "auc")})
             for name, key in (("kl_last", "approx_kl"), ("entropy_last", "entropy")):
                 tail = Curve(runs, "step", key).mean[-TAIL_STEPS:]
+                tail = tail[np.isfinite(tail)]  # one NaN step would make the whole mean NaN
                 row[name] = float(tail.mean()) if len(tail) else None
             walls = [_wall_s(directory / "runs" / name) for name in cells_of(column, line)]
             known = [w for w in walls if w is not None]

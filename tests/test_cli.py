@@ -426,11 +426,12 @@ def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
     run.status.write_text(json.dumps({"state": "running", "driver": {}}))  # no host, no pid
     out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "0")
     assert "Traceback" not in out.stderr
-    run.summary.write_text('{"status": "compl')  # torn
-    out = staleflow("report", str(run.path))
-    assert out.returncode == 0, out.stderr
-    assert "cannot be read" in out.stderr
-    assert "Traceback" not in out.stderr
+    for damaged in ('{"status": "compl', "[]", '{"groups": 3}'):  # torn; no object; odd
+        run.summary.write_text(damaged)
+        out = staleflow("report", str(run.path))
+        assert out.returncode == 0, out.stderr
+        assert "Traceback" not in out.stderr
+        assert ("cannot be read" in out.stderr) == (damaged != '{"groups": 3}')
 
 
 def test_replay_refuses_steps_below_one(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import ClassVar
 
 import numpy as np
@@ -196,10 +197,17 @@ def test_report_with_one_axis_for_columns_and_lines_gives_minutes_and_the_seed_r
             run = tmp_path / "runs" / name
             run.mkdir(parents=True)
             evals = [(0, 0.2), (10, final)]
+            # setting a's approx_kl: s0 0.1, NaN, 0.3 and s1 0.3, 0.2, 0.5, means over the
+            # seeds 0.2, NaN, 0.4: the NaN step is left out, kl_last = (0.2 + 0.4) / 2 = 0.3
+            kls = {"a__s0": [0.1, math.nan, 0.3], "a__s1": [0.3, 0.2, 0.5]}.get(name, [])
             run.joinpath("metrics.jsonl").write_text(
                 "".join(
                     json.dumps({"kind": "eval", "step": s, "accuracy": a, "reward_mean": a}) + "\n"
                     for s, a in evals
+                )
+                + "".join(
+                    json.dumps({"kind": "step", "step": i + 1, "approx_kl": kl}) + "\n"
+                    for i, kl in enumerate(kls)
                 )
             )
             run.joinpath("summary.json").write_text(
@@ -215,6 +223,8 @@ def test_report_with_one_axis_for_columns_and_lines_gives_minutes_and_the_seed_r
     assert (a["final_low"], a["final_high"]) == (0.5, 0.7)
     assert (b["final_low"], b["final_high"]) == (0.8, 0.9)
     assert a["minutes"] == pytest.approx((600 + 660) / 2 / 60)  # 10.5
+    assert a["kl_last"] == pytest.approx(0.3)
+    assert b["kl_last"] is None  # no step records
     assert "| a | 2 |" in (tmp_path / "summary.md").read_text()
 
 
