@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -74,11 +75,35 @@ def prepare_model(cfg: Any) -> None:
         smollm2_dir()
 
 
-def check_model_source(cfg: Any) -> None:
-    """ModelError if `model.path` is not a Hugging Face model directory here (cheap: nothing
-    is loaded or converted)."""
+def check_model_source(cfg: Any, chat_template: bool = False) -> None:
+    """ModelError if `model.path` is not a Hugging Face model directory here, or, with
+    `chat_template` (the task wraps prompts in it), if its tokenizer has none (cheap:
+    nothing is loaded or converted; the presets have templates)."""
     if cfg.preset is None and cfg.path is not None:
-        _check_dir(Path(cfg.path))
+        path = Path(cfg.path)
+        _check_dir(path)
+        if chat_template and not _has_chat_template(path):
+            raise ModelError(no_chat_template(str(path)))
+
+
+def no_chat_template(model: str) -> str:
+    return (
+        f"task.chat_template is true, but the tokenizer of model {model} has no chat "
+        "template: set task.chat_template: false to give the model the raw prompt text, or "
+        "use a model that has one"
+    )
+
+
+def _has_chat_template(path: Path) -> bool:
+    """Whether transformers will find a chat template in the model directory: a file of its
+    own (chat_template.jinja / .json), or one in tokenizer_config.json."""
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True  # unreadable here: loading the tokenizer says what is wrong
+    return bool(isinstance(config, dict) and config.get("chat_template"))
 
 
 def weights_bytes(cfg: Any) -> int | None:

@@ -130,14 +130,9 @@ class RolloutWorker:
         self.engine, self.tokenizer = engine, tokenizer
         self.task = task if task is not None else make_task(cfg.task)
         if self.task.chat_template and not getattr(tokenizer, "chat_template", None):
-            from staleflow.actors.models import ModelError
+            from staleflow.actors.models import ModelError, no_chat_template
 
-            raise ModelError(
-                f"task.chat_template is true, but the tokenizer of model "
-                f"{cfg.model.path or cfg.model.preset} "
-                "has no chat template: set task.chat_template: false to give the model the raw "
-                "prompt text, or use a model that has one"
-            )
+            raise ModelError(no_chat_template(cfg.model.path or cfg.model.preset))
         self.buffer = buffer
         self.seed = cfg.rollout.seed + worker_index
         self._batches = 0

@@ -145,12 +145,14 @@ def _markdown_default(field: Any) -> str:
     return f"`{json.dumps(value, default=str)}`"
 
 
-def check_before_start(cfg: Any) -> None:
+def check_before_start(cfg: Any, *, held_out: bool = True) -> None:
     """What `staleflow train` refuses before starting anything (before it makes the run
     directory), and `staleflow config` reports: the schedule against buffer.max_staleness,
     the sync method against the roles' devices (ConfigError), the task's files, reward
-    function and held-out prompts (TaskError), a model.path that is not a model directory on
-    this machine, where the driver loads it (ModelError)."""
+    function and held-out prompts (TaskError; not `held_out` on a resume: a run that had none
+    goes on as it was), a model.path that is not a model directory on this machine, where
+    the driver loads it, or whose tokenizer has no chat template the task asks for
+    (ModelError)."""
     from staleflow.actors.models import check_model_source
     from staleflow.actors.tasks import make_task
     from staleflow.cluster.resources import check_sync_method
@@ -159,8 +161,9 @@ def check_before_start(cfg: Any) -> None:
     check_schedule(cfg)
     check_sync_method(cfg)
     task = make_task(cfg.task)
-    task.eval_prompts(min(cfg.task.eval_prompts, 1))  # an empty held-out set, refused now
-    check_model_source(cfg.model)
+    if held_out:  # an empty held-out set, refused now (not by every evaluation of the run)
+        task.eval_prompts(min(cfg.task.eval_prompts, 1))
+    check_model_source(cfg.model, chat_template=task.chat_template)
 
 
 def check_engine_installed(cfg: Any, address: str | None) -> None:
@@ -189,21 +192,30 @@ def _default_of(field: Any) -> str:
 
 def _driver_gone(run: Any, status: dict) -> str | None:
     """Why `run`'s driver is gone though status.json says it runs (killed: kill -9, an OOM
-    kill, a lost node), or None. The run directory's lock tells, from any host that shares
-    the file system; where it cannot (no .lock: a run from before staleflow locked them; no
-    locks on this file system), the driver's pid, on its own host only."""
+    kill, a lost node), or None. The run directory's lock tells on the driver's host; from
+    another host only that it is held (a file system may keep flock locks per host: NFS
+    mounted with local_lock, Lustre with localflock). Without an answer from the lock (no
+    .lock: a run from before staleflow locked them; no locks here), the driver's pid, on its
+    own host only. A driver that finished meanwhile is said to have ended, not to be gone."""
+    from staleflow.cluster.rundir import read_json_object
+
+    driver = status.get("driver")
+    driver = driver if isinstance(driver, dict) else {}
+    pid = driver.get("pid")
+    local = driver.get("host") == socket.gethostname()
     held = run.in_use()
+    if held is False and not local:
+        held = None
     if held is None:
-        driver = status.get("driver")
-        driver = driver if isinstance(driver, dict) else {}
-        pid = driver.get("pid")
-        local = driver.get("host") == socket.gethostname() and isinstance(pid, int)
-        held = not local or _pid_alive(pid)
+        held = not (local and isinstance(pid, int)) or _pid_alive(pid)
     if held:
         return None
+    state = (read_json_object(run.status) or {}).get("state")
+    if state not in ("starting", "running"):
+        return f"run {run.path.name} ended (state: {state}); there is nothing to scale"
     return (
         f"run {run.path.name}'s driver is gone, though its status still says "
-        f"{status.get('state')} (killed?){run.driver_label()}; continue it with staleflow train "
+        f"{state} (killed?){run.driver_label()}; continue it with staleflow train "
         f"--resume {run.path}"
     )
 
@@ -263,7 +275,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             cfg = load_config(args.config, overrides)
             name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
-        check_before_start(cfg)
+        check_before_start(cfg, held_out=not resume)
         check_engine_installed(cfg, args.address)
         if (
             cfg.buffer.redis_url is None
@@ -550,7 +562,7 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     from staleflow.cluster.failures import ClusterUnreachable
-    from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep, write_sweep_json
+    from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep, update_figures
     from staleflow.cluster.sweep_report import write_sweep_report
     from staleflow.configs import ConfigError
 
@@ -602,8 +614,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return _fail(str(exc))
     else:
         results = {}
-        if (sweep.directory / "sweep.json").is_file():  # the report as the file says now
-            write_sweep_json(sweep)
+        update_figures(sweep)  # columns, lines and threshold as the file says now
     if not (sweep.directory / "sweep.json").is_file():
         return _fail(f"{sweep.directory} has no cells yet; run the sweep first")
     try:

@@ -392,7 +392,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{"a": {"b": 1}} -> {"a.b": 1}: a config as its dotted keys."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and value:  # (an empty one is a value: {} -> {..} shows)
             out.update(flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value

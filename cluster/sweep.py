@@ -21,9 +21,12 @@ Cells are the cartesian product of the axes; axes other than `columns` and `line
 are averaged over in the report. Each cell is a normal run directory under
 <sweep dir>/runs/<cell>; a cell whose summary says "completed" is skipped when the sweep is
 run again, and a cell left incomplete (Ctrl-C, a crash) is moved to <sweep dir>/incomplete/
-and run again. One after another, cells share one Ray instance in this process; with
-`--parallel K` (and `--address` for a cluster) K cells run at once as `staleflow train`
-processes joining the same Ray cluster.
+and run again from step 0. A cell that fails does not stop the others. A sweep holds its
+directory (.lock) while it runs, and each cell's run directory as `staleflow train` does; it
+refuses to start beside another sweep of the directory, or when a completed cell was made
+with other settings than the file's now. One after another, cells share one Ray instance
+in this process; with `--parallel K` (and `--address` for a cluster) K cells run at once as
+`staleflow train` processes joining the same Ray cluster.
 """
 
 from __future__ import annotations
@@ -102,16 +105,16 @@ def _placement(sweep: Sweep, cell: Cell) -> tuple[str, str]:
 
 
 def _cell_config(sweep: Sweep, cell: Cell) -> Any:
-    """The cell's resolved config, refused (SweepError) for whatever `staleflow train` would
-    refuse before starting it: a bad cell stops the sweep before any cell runs."""
-    from staleflow.actors.models import ModelError
-    from staleflow.cluster.commands import check_before_start
+    """The cell's resolved config (SweepError if invalid, or its schedule cannot run). What
+    needs this machine's files (task data, model) is checked by `run_sweep`, for the cells it
+    runs: --dry-run and --report-only work where those are missing."""
+    from staleflow.cluster.schedule import check_schedule
     from staleflow.configs import load_config
 
     try:
         cfg = load_config(sweep.base, (*sweep.overrides, *cell.overrides, *_placement(sweep, cell)))
-        check_before_start(cfg)
-    except (ConfigError, ValueError, ModelError) as exc:  # (a TaskError is a ValueError)
+        check_schedule(cfg)
+    except ConfigError as exc:
         raise SweepError(f"{sweep.source}: cell {cell.name}: {exc}") from None
     return cfg
 
@@ -159,7 +162,8 @@ def _unique_labels(
 
 
 def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
-    """Read and check a sweep file; every cell's config is validated before anything runs."""
+    """Read and check a sweep file: every cell's config is resolved and validated (the
+    checks that need this machine's files come in `run_sweep`, before any cell runs)."""
     path = Path(path)
     try:
         data = yaml.safe_load(named_text(path.read_text(encoding="utf-8"), str(path)))
@@ -267,7 +271,8 @@ def run_status(run: Path) -> str:
 def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
     """How the config a cell's run was made with (its config.json) differs from the cell's
     config now (an edited sweep or base file): one "key: then -> now" per key. Keys only one
-    of the two has (a newer staleflow) and the run's name and place are not compared."""
+    of the two has (a newer staleflow), the run's name and place and the Redis server's URL
+    are not compared."""
     from staleflow.cluster.resume import flatten
     from staleflow.configs.loader import redact
 
@@ -276,10 +281,11 @@ def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
         return []
     now = flatten(json.loads(redact(sweep.config(cell).model_dump_json())))
     then = flatten(saved)
+    where = ("run.name", "run.output_dir", "buffer.redis_url")  # (--parallel: in the env)
     return [
         f"{key}: {json.dumps(then[key])} -> {json.dumps(now[key])}"
         for key in sorted(then.keys() & now.keys())
-        if key not in ("run.name", "run.output_dir") and then[key] != now[key]
+        if key not in where and then[key] != now[key]
     ]
 
 
@@ -336,8 +342,9 @@ def _holding(sweep: Sweep) -> Iterator[None]:
 def _check_cells(sweep: Sweep, todo: list[Cell], address: str | None) -> None:
     """SweepError for what would spoil the sweep once cells run: a cell another process is
     running, a completed cell whose settings are not the sweep's any more (its results would
-    be reported under the new settings), a cell whose engine is not installed here."""
-    from staleflow.cluster.commands import check_engine_installed
+    be reported under the new settings), a cell to run that `staleflow train` would refuse."""
+    from staleflow.actors.models import ModelError
+    from staleflow.cluster.commands import check_before_start, check_engine_installed
     from staleflow.cluster.rundir import RunDir
 
     for cell in sweep.cells:
@@ -356,11 +363,23 @@ def _check_cells(sweep: Sweep, todo: list[Cell], address: str | None) -> None:
                 "give the sweep another name: (or --out DIR) to keep both, or move "
                 f"{sweep.runs / cell.name} away to run the cell again"
             )
-    for cell in todo:
+    for cell in todo:  # what `staleflow train` refuses before it starts
         try:
+            check_before_start(sweep.config(cell))
             check_engine_installed(sweep.config(cell), address)
-        except ConfigError as exc:
+        except (ConfigError, ValueError, ModelError) as exc:  # (a TaskError is a ValueError)
             raise SweepError(f"{sweep.source}: cell {cell.name}: {exc}") from None
+
+
+def update_figures(sweep: Sweep) -> None:
+    """Set sweep.json's figure settings (columns, lines, threshold) to the file's now, for
+    `--report-only`; the cells, labels and overrides stay those that ran."""
+    path = sweep.directory / "sweep.json"
+    spec = read_json_object(path)
+    if spec is None:
+        return
+    spec.update(columns=sweep.columns, lines=sweep.lines, threshold=sweep.threshold)
+    write_text(path, json.dumps(spec, indent=2) + "\n")
 
 
 def write_sweep_json(sweep: Sweep) -> None:
@@ -453,8 +472,9 @@ def _run_in_process(
     sweep: Sweep, todo: list[Cell], address: str | None, on_cell: Any
 ) -> dict[str, str]:
     """Cells one after another, sharing one Ray instance (started once, stopped at the end).
-    A cell that fails is reported "failed" (its error in its logs/driver.log) and the next
-    one runs, as with --parallel; a lost Ray cluster stops the sweep."""
+    A cell that fails is reported "failed" (its one-line error to `on_cell`, the traceback
+    in its logs/driver.log only) and the next one runs, as with --parallel; a lost Ray
+    cluster stops the sweep."""
     import os
 
     from staleflow.cluster.driver import Driver
@@ -468,19 +488,26 @@ def _run_in_process(
             if on_cell is not None:
                 on_cell(cell, "started", None)
             cfg = sweep.config(cell)
-            run = RunDir.create(str(sweep.runs), cell.name)
-            fd = run.lock()  # as `staleflow train` does: a `train --resume` of it is refused
-            handler = run.attach_log()
+            fd, handler = None, None
             try:
+                run = RunDir.create(str(sweep.runs), cell.name)
+                fd = run.lock()  # as `staleflow train` does: a `train --resume` of it is refused
+                handler = run.attach_log()
                 progress = Progress(cell.name, cfg.run.log_every)
                 summary = Driver(cfg, run, address=address, progress=progress).run()
             except ClusterUnreachable:
                 raise
             except Exception as exc:  # the cell's own failure: the other cells still run
-                logger.error("cell %s failed", cell.name, exc_info=True)  # to its driver.log
+                if handler is not None:  # the traceback to the cell's log, not the console
+                    handler.handle(logger.makeRecord(
+                        logger.name, logging.ERROR, __file__, 0, "cell %s failed", (cell.name,),
+                        sys.exc_info(),
+                    ))  # fmt: skip
                 summary = {"status": "failed", "error": _one_line(exc)}
             finally:
-                logging.getLogger().removeHandler(handler)
+                if handler is not None:
+                    logging.getLogger().removeHandler(handler)
+                    handler.close()
                 if fd is not None:
                     os.close(fd)
             results[cell.name] = summary["status"]
@@ -500,7 +527,11 @@ def _one_line(exc: BaseException) -> str:
 
 
 class _Stopped(Exception):
-    """SIGTERM reached a sweep running cells as processes (raised by its handler)."""
+    """SIGTERM or SIGHUP reached a sweep running cells as processes (raised by its handler)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _child_command(sweep: Sweep, cell: Cell, join: str) -> tuple[list[str], dict[str, str]]:
@@ -510,13 +541,21 @@ def _child_command(sweep: Sweep, cell: Cell, join: str) -> tuple[list[str], dict
 
     env = dict(os.environ)
     overrides = []
+    url = None
     for override in (*sweep.overrides, *cell.overrides):
         key, _, value = override.partition("=")
-        url = json.loads(value) if key == "buffer.redis_url" else None
-        if isinstance(url, str):
-            env["STALEFLOW_REDIS_URL"] = url
-        else:
-            overrides.append(override)
+        if key == "buffer.redis_url":
+            url = json.loads(value)
+            continue
+        if key == "buffer":  # a whole section: its URL, if any, goes the same way
+            section = json.loads(value)
+            if isinstance(section, dict) and "redis_url" in section:
+                url = section.pop("redis_url")
+                override = f"buffer={json.dumps(section)}"
+        overrides.append(override)
+    if isinstance(url, str):  # the train then takes it from $STALEFLOW_REDIS_URL
+        env["STALEFLOW_REDIS_URL"] = url
+        overrides.append("buffer.redis_url=null")  # (over a URL in the base config)
     argv = [
         sys.executable, "-m", "staleflow.cluster.cli", "train", str(sweep.base), *overrides,
         *_placement(sweep, cell), "--address", join,
@@ -524,10 +563,13 @@ def _child_command(sweep: Sweep, cell: Cell, join: str) -> tuple[list[str], dict
     return argv, env
 
 
-def _last_error(log: Path) -> str | None:
-    """The last "error: ..." line a cell's `staleflow train` wrote (its one-line failure)."""
+def _last_error(log: Path, start: int) -> str | None:
+    """The last "error: ..." line a cell's `staleflow train` wrote (its one-line failure)
+    after byte `start` of its log (where this attempt's output begins)."""
     try:
-        lines = log.read_text(errors="replace").splitlines()
+        with open(log, "rb") as f:
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
     return next((ln[7:] for ln in reversed(lines) if ln.startswith("error: ")), None)
@@ -538,25 +580,28 @@ def _run_processes(
 ) -> dict[str, str]:
     """Up to `parallel` cells at once, each a `staleflow train` process on one Ray cluster
     (the given address, or a local one this process starts and the cells join). Each runs
-    in a session of its own: Ctrl-C (or SIGTERM) reaches this process, which passes it on
-    to each cell once (a second SIGINT would stop a run without its checkpoint), and waits
-    for them before it stops the Ray they use. Each cell's output is appended to
-    logs/<cell>.out (an earlier attempt's is kept above it)."""
+    in a session of its own: Ctrl-C, SIGTERM or SIGHUP reaches this process, which passes it
+    on to each cell once (a second SIGINT would stop a run without its checkpoint), ignores
+    any more, and waits for them before it stops the Ray they use. Each cell's output is
+    appended to logs/<cell>.out (an earlier attempt's is kept above it)."""
+    import threading
+
     import ray
 
     results: dict[str, str] = {}
-    running: dict[str, tuple[Cell, subprocess.Popen[bytes], Any]] = {}
+    running: dict[str, tuple[Cell, subprocess.Popen[bytes], Any, int]] = {}
     queue = list(todo)
     logs = sweep.directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    stops = (signal.SIGTERM, signal.SIGHUP)
 
-    def on_term(signum: int, frame: Any) -> None:
-        raise _Stopped
-
-    import threading
+    def on_stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
 
     main = threading.current_thread() is threading.main_thread()  # where handlers can be set
-    previous = signal.signal(signal.SIGTERM, on_term) if main else None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *stops)} if main else {}
+    for sig in stops if main else ():
+        signal.signal(sig, on_stop)
     try:
         with _ray_for(sweep, todo, address):
             join = address or ray.get_runtime_context().gcs_address
@@ -572,11 +617,11 @@ def _run_processes(
                         proc = subprocess.Popen(
                             argv, stdout=out, stderr=out, env=env, start_new_session=True
                         )
-                        running[cell.name] = (cell, proc, out)
+                        running[cell.name] = (cell, proc, out, out.tell())
                         if on_cell is not None:
                             on_cell(cell, "started", None)
                     time.sleep(0.5)
-                    for name, (cell, proc, out) in list(running.items()):
+                    for name, (cell, proc, out, start) in list(running.items()):
                         if proc.poll() is None:
                             continue
                         out.close()
@@ -589,20 +634,25 @@ def _run_processes(
                         results[name] = status
                         summary = read_summary(sweep.runs / cell.name)
                         if status == "failed":
-                            error = _last_error(logs / f"{cell.name}.out")
+                            error = _last_error(logs / f"{cell.name}.out", start)
                             error = error or f"exit status {proc.returncode}"
                             summary = {**(summary or {}), "status": status, "error": error}
                         if on_cell is not None:
                             on_cell(cell, status, summary)
             except (KeyboardInterrupt, _Stopped) as exc:
-                sig = signal.SIGINT if isinstance(exc, KeyboardInterrupt) else signal.SIGTERM
-                for _, proc, _ in running.values():
-                    proc.send_signal(sig)  # once: each run checkpoints and stops cleanly
-                for name, (_, proc, out) in running.items():
+                if main:  # from now on, wait: a second signal must not leave them running
+                    for sig in (signal.SIGINT, *stops):
+                        signal.signal(sig, signal.SIG_IGN)
+                sig = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
+                for _, proc, _, _ in running.values():
+                    proc.send_signal(sig if sig != signal.SIGHUP else signal.SIGTERM)
+                for name, (_, proc, out, _) in running.items():
                     proc.wait()
                     out.close()
                     results[name] = "interrupted"
+    except _Stopped:  # before the cells started, or while Ray stopped: nothing to pass on
+        results.update({cell.name: "interrupted" for cell in queue})
     finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return results

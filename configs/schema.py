@@ -98,9 +98,10 @@ class TaskConfig(Frozen):
         0.1,
         ge=0.0,
         le=1.0,
-        description="Fraction of a batch's responses whose reward function may raise (each "
-        "scored 0 and counted; any task, custom reward functions most likely) before the run "
-        "stops with the first traceback.",
+        description="Fraction of a batch's (or an evaluation's) responses whose reward "
+        "function may fail (raise, or return no finite number: text such as '1.0' included; "
+        "each scored 0 and counted) before the run stops with the first error (an evaluation "
+        "past it is skipped, with the error in driver.log).",
     )
 
     @field_validator("name")

@@ -303,6 +303,21 @@ def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_pat
         assert not (tmp_path / "r").exists()
 
 
+def test_a_chat_template_asked_for_and_missing_is_refused_before_the_run(tmp_path):
+    # it was raw prompt text without a word; then an error in every worker after Ray started
+    from staleflow.actors.models import tiny_dir
+
+    model = tmp_path / "base-model"
+    shutil.copytree(tiny_dir(0), model)
+    (model / "chat_template.jinja").unlink()  # as a base model's tokenizer: no template
+    args = ["configs/tiny.yaml", "model.preset=null", f"model.path={model}"]
+    out = staleflow("config", *args, "task.chat_template=true")
+    assert out.returncode == 2
+    assert f"the tokenizer of model {model} has no chat template: set task.chat_template: false" \
+        in out.stderr  # fmt: skip
+    assert staleflow("config", *args, "task.chat_template=false").returncode == 0
+
+
 def test_an_output_dir_that_cannot_be_made_is_an_error_not_a_traceback(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -410,6 +425,15 @@ def test_scale_asks_the_run_directory_lock_whether_the_driver_lives(tmp_path):
         assert not (run.control / "scale.json").exists()  # no request left for a resume
     finally:
         holder.kill()
+    # a driver that finished (its status says so) has not gone missing: it ended
+    run.status.write_text(json.dumps({**status, "state": "completed"}))
+    assert "run locked ended (state: completed)" in scale_gone_message(run, status)
+
+
+def scale_gone_message(run, status):
+    from staleflow.cluster.commands import _driver_gone
+
+    return _driver_gone(run, status) or ""
 
 
 def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):

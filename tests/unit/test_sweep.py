@@ -86,12 +86,6 @@ grid:
             "y: {c: {sync.interval: 1}, b__c: {sync.interval: 2}}}\n",
             "two cells are both named 'a__b__c'",
         ),
-        # what `staleflow train` refuses before starting, checked for every cell up front
-        ("grid: {sync.method: [ray, nccl]}\n", r"(?s)cell method-nccl: .*nccl"),
-        (
-            "grid: {task: {t: {task.name: custom, task.path: /nonexistent.jsonl}}}\n",
-            r"(?s)cell t: .*nonexistent\.jsonl",
-        ),
         # lockstep with a bound below the schedule's worst lag cannot run: refused up front
         (
             "grid: {sync: {i4: {sync.mode: lockstep, sync.interval: 4, "
@@ -340,6 +334,59 @@ def test_a_sweep_leaves_cells_and_directories_in_use_alone(tmp_path, fake_driver
     assert run_sweep(sweep) == {"seed-0": "completed", "seed-1": "completed"}
 
 
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ("{sync.method: [ray, nccl]}", r"(?s)cell method-nccl: .*nccl"),
+        ("{task: {t: {task.name: custom, task.path: /nonexistent.jsonl, "
+          "task.reward_fn: 'math:fabs'}}}",
+         r"cell t: /nonexistent\.jsonl: no such file"),
+    ],
+)  # fmt: skip
+def test_what_train_would_refuse_stops_the_sweep_before_any_cell(
+    tmp_path, fake_driver, grid, message
+):
+    from staleflow.cluster.sweep import cell_status, run_sweep
+
+    sweep = load_sweep(sweep_file(tmp_path, f"grid: {grid}\n"), tmp_path / "o")
+    assert {cell_status(sweep, c) for c in sweep.cells} == {"new"}  # --dry-run still lists
+    with pytest.raises(SweepError, match=message):
+        run_sweep(sweep)
+    assert fake_driver.seen_locked == []  # no cell ran
+
+
+def test_a_cells_traceback_goes_to_its_log_and_its_last_error_to_the_console(
+    tmp_path, fake_driver, caplog
+):
+    from staleflow.cluster.sweep import _last_error, run_sweep
+
+    sweep = load_sweep(sweep_file(tmp_path, "grid: {run.seed: [0]}\n"), tmp_path / "o")
+    fake_driver.fail = {"seed-0": RuntimeError("first line\nsecond line")}
+    with caplog.at_level("DEBUG"):
+        assert run_sweep(sweep) == {"seed-0": "failed"}
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback on the console
+    # --parallel reads a cell's one-line error from its appended log, this attempt's only
+    log = tmp_path / "cell.out"
+    log.write_text("--- 1\nerror: the first attempt's\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("--- 2\nTraceback ...\nKilled\n")
+    assert _last_error(log, 0) == "the first attempt's"
+    assert _last_error(log, start) is None  # not the earlier attempt's error
+
+
+def test_report_only_takes_the_figures_settings_and_nothing_else(tmp_path, fake_driver):
+    from staleflow.cluster.sweep import run_sweep, update_figures
+
+    path = sweep_file(tmp_path, "threshold: 0.5\ngrid: {run.seed: [0, 1]}\n")
+    run_sweep(load_sweep(path, tmp_path / "o"))
+    path.write_text("threshold: 0.7\ngrid: {run.seed: [0, 1, 2]}\n".join(["base: base.yaml\n", ""]))
+    update_figures(load_sweep(path, tmp_path / "o"))
+    spec = json.loads((tmp_path / "o" / "s" / "sweep.json").read_text())
+    assert spec["threshold"] == 0.7
+    assert [c["name"] for c in spec["cells"]] == ["seed-0", "seed-1"]  # the cells that ran
+
+
 def test_labels_that_yaml_reads_as_numbers_still_name_their_run(tmp_path):
     sweep = load_sweep(
         sweep_file(tmp_path, "grid: {lr: {0.001: {run.seed: 1}, 'null': {run.seed: 2}}}\n")
@@ -348,7 +395,7 @@ def test_labels_that_yaml_reads_as_numbers_still_name_their_run(tmp_path):
 
 
 def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fake_driver):
-    from staleflow.cluster.sweep import _child_command, run_sweep
+    from staleflow.cluster.sweep import _child_command, cell_status, run_sweep
 
     url = "redis://:hunter2@localhost:6379/0"
     path = sweep_file(
@@ -360,3 +407,17 @@ def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fa
     argv, env = _child_command(sweep, sweep.cells[0], "127.0.0.1:6379")
     assert "hunter2" not in " ".join(argv)
     assert env["STALEFLOW_REDIS_URL"] == url  # what the cell's train uses instead
+    assert argv.count("buffer.redis_url=null") == 1  # over a URL the base config may give
+    # such a cell's config.json says null: the cell is still the sweep's, not "changed"
+    saved = json.loads((sweep.runs / "seed-0" / "config.json").read_text())
+    saved["buffer"]["redis_url"] = None
+    (sweep.runs / "seed-0" / "config.json").write_text(json.dumps(saved))
+    assert cell_status(sweep, sweep.cells[0]) == "completed"
+    # the URL in a whole buffer section goes the same way
+    path.write_text(path.read_text().replace(
+        f"{{buffer.redis_url: '{url}'}}", f"{{buffer: {{redis_url: '{url}', capacity: 64}}}}"
+    ))  # fmt: skip
+    argv, env = _child_command(load_sweep(path, tmp_path / "o2"), sweep.cells[0], "x:1")
+    assert "hunter2" not in " ".join(argv)
+    assert 'buffer={"capacity": 64}' in argv
+    assert env["STALEFLOW_REDIS_URL"] == url
