@@ -45,12 +45,12 @@ class Evaluations:
         self.running = [(r, s) for r, s in self.running if r != ref]
         from staleflow.actors.tasks import TaskError
         from staleflow.actors.worker import PromptTooLongError, RewardError
+        from staleflow.cluster.failures import remote_cause
 
         try:
             return step, ray.get(ref)
         except Exception as exc:  # its worker died, or the evaluation itself failed
-            cause = getattr(exc, "cause", None)  # RayTaskError: what the worker raised
-            shown = cause if isinstance(cause, BaseException) else exc
+            shown = remote_cause(exc)
             repeats = isinstance(shown, TaskError | RewardError | PromptTooLongError)
             weights = published.get(step)
             retry = (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import re
 
-__all__ = ["BatchStalled", "ClusterUnreachable", "LearnerFailed", "rank_error"]
+__all__ = ["BatchStalled", "ClusterUnreachable", "LearnerFailed", "rank_error", "remote_cause"]
 
 logger = logging.getLogger(__name__)
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
@@ -27,11 +27,17 @@ class LearnerFailed(RuntimeError):
     are what `train --resume` continues from."""
 
 
+def remote_cause(exc: BaseException) -> BaseException:
+    """What an actor raised, out of the RayTaskError that Ray's `get` raises for it (its
+    `cause`); `exc` itself for anything else (an actor that died, a timeout)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
 def rank_error(exc: BaseException) -> str:
     """A learner rank's failure in one line: the exception the rank raised (Ray wraps it in
     the remote traceback, with terminal colours), or how the rank died. The whole of Ray's
     text goes to the driver's log."""
     logger.info("a learner rank failed; as Ray reports it:\n%s", _COLOUR.sub("", str(exc)))
-    cause = getattr(exc, "cause", None)  # RayTaskError: what the rank raised
-    shown = cause if isinstance(cause, BaseException) else exc
+    shown = remote_cause(exc)
     return _COLOUR.sub("", f"{type(shown).__name__}: {shown}")

@@ -99,8 +99,9 @@ class Rollouts:
         the model) or the part failed rollout.max_restarts times already."""
         from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.buffer.replay import BufferFullError
+        from staleflow.cluster.failures import remote_cause
 
-        cause = getattr(exc, "cause", None) or exc
+        cause = remote_cause(exc)
         what = "hung" if shard.hung else f"failed: {type(cause).__name__}: {cause}"
         where = f"rollout worker {shard.slot.index} (batch {shard.batch})"
         if isinstance(cause, RewardError | BufferFullError | PromptTooLongError):

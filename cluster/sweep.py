@@ -339,16 +339,19 @@ def _holding(sweep: Sweep) -> Iterator[None]:
             os.close(fd)
 
 
-def _check_cells(sweep: Sweep, todo: list[Cell], address: str | None) -> None:
-    """SweepError for what would spoil the sweep once cells run: a cell another process is
-    running, a completed cell whose settings are not the sweep's any more (its results would
-    be reported under the new settings), a cell to run that `staleflow train` would refuse."""
+def _check_cells(
+    sweep: Sweep, statuses: dict[str, str], todo: list[Cell], address: str | None
+) -> None:
+    """SweepError for what would spoil the sweep once cells run (`statuses`: each cell's
+    `cell_status`): a cell another process is running, a completed cell whose settings are
+    not the sweep's any more (its results would be reported under the new settings), a cell
+    to run that `staleflow train` would refuse."""
     from staleflow.actors.models import ModelError
     from staleflow.cluster.commands import check_before_start, check_engine_installed
     from staleflow.cluster.rundir import RunDir
 
     for cell in sweep.cells:
-        status = cell_status(sweep, cell)
+        status = statuses[cell.name]
         if status == "running":
             raise SweepError(
                 f"cell {cell.name} is being run by another process"
@@ -428,7 +431,7 @@ def run_sweep(
     with _holding(sweep):
         statuses = {cell.name: cell_status(sweep, cell) for cell in sweep.cells}
         todo = [cell for cell in sweep.cells if statuses[cell.name] != "completed"]
-        _check_cells(sweep, todo, address)
+        _check_cells(sweep, statuses, todo, address)
         sweep.runs.mkdir(parents=True, exist_ok=True)
         write_sweep_json(sweep)
         results: dict[str, str] = {}
