@@ -380,7 +380,7 @@ def test_report_only_takes_the_figures_settings_and_nothing_else(tmp_path, fake_
 
     path = sweep_file(tmp_path, "threshold: 0.5\ngrid: {run.seed: [0, 1]}\n")
     run_sweep(load_sweep(path, tmp_path / "o"))
-    path.write_text("threshold: 0.7\ngrid: {run.seed: [0, 1, 2]}\n".join(["base: base.yaml\n", ""]))
+    path.write_text("base: base.yaml\nthreshold: 0.7\ngrid: {run.seed: [0, 1, 2]}\n")
     update_figures(load_sweep(path, tmp_path / "o"))
     spec = json.loads((tmp_path / "o" / "s" / "sweep.json").read_text())
     assert spec["threshold"] == 0.7
