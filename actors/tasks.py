@@ -16,7 +16,9 @@ draw, which can repeat a few training questions.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
+import itertools
 import json
 import math
 import random
@@ -35,6 +37,7 @@ __all__ = [
     "DigitsTask",
     "GSM8KTask",
     "Prompt",
+    "PromptStream",
     "ReasoningGymTask",
     "Score",
     "Task",
@@ -88,6 +91,44 @@ class Task(Protocol):
         ...
 
     def score(self, prompt: Prompt, response: str) -> Score: ...
+
+
+class PromptStream:
+    """A task's training prompts in the order the run takes them, with a digest of every
+    prompt taken so far (id, text, answer, metadata): a resumed run checks it continues the
+    stream its checkpoint was made on (cluster.resume), as an edited task file would not."""
+
+    def __init__(self, prompts: Iterator[Prompt]) -> None:
+        self._prompts = prompts
+        self._hash = hashlib.sha256()
+        self.taken = 0
+
+    def take(self, n: int) -> list[Prompt]:
+        out = list(itertools.islice(self._prompts, n))
+        for p in out:
+            fields = [p.prompt_id, p.text, p.answer, _canonical(p.metadata)]
+            self._hash.update(json.dumps(fields, ensure_ascii=False).encode() + b"\n")
+        self.taken += len(out)
+        return out
+
+    @property
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """`value` as plain JSON, the same in every process: keys sorted, sets ordered, any other
+    object by its type's name (a repr could hold a memory address)."""
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: str(kv[0]))
+        return [[str(k), _canonical(v)] for k, v in items]
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((_canonical(v) for v in value), key=repr)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return f"<{type(value).__name__}>"
 
 
 # ----------------------------------------------------------------------------- answers

@@ -20,7 +20,6 @@ command that resumes it from its last checkpoint (`train --resume`, which `Resum
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import signal
@@ -158,7 +157,7 @@ class Driver(CheckpointMixin):
         if batch is None:
             flow.batches += 1
             batch = flow.batches
-            prompts = list(itertools.islice(self.prompts, self.P))
+            prompts = self.prompts.take(self.P)
         else:
             assert self.resumed is not None
             prompts = self.resumed.prompts_of(batch)
@@ -492,13 +491,13 @@ class Driver(CheckpointMixin):
 
     def _start(self) -> None:
         from staleflow.actors.models import prepare_model
-        from staleflow.actors.tasks import make_task
+        from staleflow.actors.tasks import PromptStream, make_task
         from staleflow.cluster.resources import check_sync_method
 
         check_sync_method(self.cfg)
         write_text(self.rundir.config, redact(dump_config(self.cfg)) + "\n")  # atomically
         # bad input fails here, before any server or process starts
-        self.prompts = iter(make_task(self.cfg.task).train_prompts())
+        self.prompts = PromptStream(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)
         if self.resume:
             self.resumed = load_resume(self.rundir, self.cfg)  # _restore cuts metrics back

@@ -19,7 +19,6 @@ checkpoint's step), and a lock-step lag continues exactly.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import time
@@ -90,6 +89,7 @@ def driver_state(driver: Any, trained: int) -> dict[str, Any]:
         },
         "counts": {**dataclasses.asdict(c), "trained": trained},
         "prompts_per_batch": driver.P,
+        "prompts": {"taken": driver.prompts.taken, "sha256": driver.prompts.digest},
         "faults": driver.faults,
     }
 
@@ -217,6 +217,7 @@ class Resume:
     accuracy: dict[int, float] = field(default_factory=dict)
     _prompts: list[Any] = field(default_factory=list)
     P: int = 0
+    prompts_taken: dict[str, Any] | None = None  # PromptStream's count and digest (or none kept)
 
     @property
     def redo(self) -> list[int]:
@@ -226,8 +227,20 @@ class Resume:
         return self._prompts[(batch - 1) * self.P : batch * self.P]
 
     def continue_prompts(self, stream: Any) -> Any:
-        """The prompt stream where the checkpoint left it (the redone batches' prompts kept)."""
-        self._prompts = list(itertools.islice(stream, self.flow.batches * self.P))
+        """The prompt stream (actors.tasks.PromptStream) where the checkpoint left it, the
+        redone batches' prompts kept; ResumeError if the prompts it took up to there are not
+        the ones the checkpoint's run took (the task's data changed)."""
+        self._prompts = stream.take(self.flow.batches * self.P)
+        saved = self.prompts_taken
+        if saved is not None and (stream.taken, stream.digest) != (saved["taken"], saved["sha256"]):
+            raise ResumeError(
+                f"the task's training prompts changed since {self.checkpoint}: the "
+                f"{saved['taken']} prompts its batches took are not the {stream.taken} the "
+                "task gives now (an edited task.path file, another version of the task's "
+                "data or code); the rest of the run would train on other prompts, and redo "
+                "batches with other prompts under the same group ids. Put the task's data "
+                "back as it was, or start a new run"
+            )
         return stream
 
     def cut_metrics(self, run: RunDir) -> None:
@@ -294,6 +307,21 @@ def _driver_state(checkpoint: Path) -> dict[str, Any]:
     if state.get("format") != STATE_FORMAT:
         raise ResumeError(f"{checkpoint}: driver state format {state.get('format')!r} unknown")
     return dict(state)
+
+
+def _prompts_taken(checkpoint: Path, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The driver state's record of the prompts taken (None: a checkpoint written before
+    staleflow kept one, so the prompts are not checked)."""
+    taken = state.get("prompts")
+    if taken is None:
+        return None
+    if not (isinstance(taken, dict) and type(taken.get("taken")) is int
+            and isinstance(taken.get("sha256"), str)):  # fmt: skip
+        raise ResumeError(
+            f"{checkpoint / 'trainer.json'}: damaged driver state (prompts: {taken!r}); "
+            "restore the file, or start a new run"
+        )
+    return taken
 
 
 def resumable_checkpoint(run: RunDir) -> Path | None:
@@ -426,6 +454,7 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
             versions={int(b): int(v) for b, (v, _) in f["running"].items()},
             faults=list(state.get("faults", [])),
             P=int(state["prompts_per_batch"]),
+            prompts_taken=_prompts_taken(path, state),
         )
         _check_prompts_per_batch(res.P, cfg)  # also for a Driver made without the CLI
     res.accuracy = {

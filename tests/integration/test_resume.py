@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from staleflow.actors.tasks import PromptStream, make_task
 from staleflow.cluster.driver import Driver
 from staleflow.cluster.resume import (
     STATE_FORMAT,
@@ -485,6 +486,43 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     run.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
     run.mark_latest_checkpoint(run.checkpoints / "step-000002")
     refused("the buffer has acknowledged 8 trainings, but", "step-000002 counts 4")
+
+
+def test_a_resume_refuses_a_task_file_edited_since_its_checkpoint(tmp_path, ray_local):
+    # An edited task file used to be read as it was now: the resumed run redid its batches
+    # with other prompts under the same group ids and trained on a different stream, silently.
+    rows = [{"prompt": f"Say something #{i}", "target": i} for i in range(40)]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = [
+        "task.name=custom",
+        f"task.path={data}",
+        "task.reward_fn=tests.integration.rewards:length",
+    ]
+    args = [*task, "run.name=t", "run.checkpoint_every=1"]
+    cfg, run, first, _ = run_driver(tmp_path, *args, "run.steps=2")
+    assert first["status"] == "completed"
+    state = json.loads((run.checkpoints / "step-000002/trainer.json").read_text())["extra"]
+    n = state["driver"]["flow"]["batches"] * 2  # prompts taken: 2 per batch started
+    assert state["driver"]["prompts"]["taken"] == n >= 4
+    before = {p: p.read_bytes() for p in (run.metrics, run.config, run.summary)}
+
+    def resume():
+        cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=3"])
+        return Driver(cfg, RunDir(run.path), resume=True).run()
+
+    # one field (metadata: the reward may read it) of one row the run trained on
+    taken = PromptStream(make_task(cfg.task).train_prompts()).take(n)
+    line = int(taken[0].prompt_id.split(":")[1])  # custom:<line number>
+    edited = [dict(r, target=-1) if j == line - 1 else r for j, r in enumerate(rows)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    with pytest.raises(ResumeError, match="the task's training prompts changed since") as exc:
+        resume()
+    assert f"the {n} prompts its batches took are not the {n} the task gives now" in str(exc.value)
+    assert {p: p.read_bytes() for p in before} == before  # nothing of the run changed
+
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))  # put back: it resumes
+    assert resume()["status"] == "completed"
 
 
 def test_a_resumed_run_trains_as_the_uninterrupted_run(tmp_path, ray_local):

@@ -15,6 +15,7 @@ from staleflow.actors.tasks import (
     CustomTask,
     GSM8KTask,
     Prompt,
+    PromptStream,
     TaskError,
     extract_final_number,
     make_task,
@@ -364,3 +365,28 @@ def test_a_reward_module_in_the_working_directory_but_not_on_the_path_says_so(
         TaskError, match=r"myrew_here\.py is in this directory: run with PYTHONPATH=\."
     ):
         CustomTask(str(path), "myrew_here:fn")
+
+
+def test_the_prompt_stream_digest_sees_every_field_and_only_the_fields():
+    class Thing:  # no __eq__: its repr holds its address, different in every process
+        pass
+
+    def stream(meta_b):
+        prompts = [
+            Prompt("a", "1+1", "2", {"k": {3, 1}, "o": Thing()}),
+            Prompt("b", "2", "4", meta_b),
+        ]
+        s = PromptStream(iter(prompts))
+        return s, s.take(5)  # the stream ends at 2
+
+    s1, took = stream({"x": 1, "y": [1, 2]})
+    assert s1.taken == 2
+    assert [p.prompt_id for p in took] == ["a", "b"]
+    s2, _ = stream({"y": [1, 2], "x": 1})  # another object, the keys in another order
+    assert s2.digest == s1.digest
+    for changed in ({"x": 2, "y": [1, 2]}, {"x": 1, "y": [2, 1]}, {"x": 1}):
+        assert stream(changed)[0].digest != s1.digest, changed
+    empty = PromptStream(iter([]))
+    assert empty.take(3) == []
+    assert empty.taken == 0
+    assert empty.digest != s1.digest
