@@ -23,6 +23,7 @@ from staleflow.actors.engine import (
     as_named_arrays,
     check_parameter,
 )
+from staleflow.actors.models import context_of
 
 __all__ = ["HFEngine", "load_named_arrays"]
 
@@ -58,9 +59,7 @@ class HFEngine:
     @property
     def context_length(self) -> int | None:
         """Tokens the model can attend over (prompt + response), if its config says."""
-        config = self.model.config
-        n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        return int(n) if n else None
+        return context_of(self.model.config)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], n: int, sampling: SamplingParams

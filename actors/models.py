@@ -28,15 +28,21 @@ if TYPE_CHECKING:  # imported where used: `staleflow config` checks a model path
 
 __all__ = [
     "ModelError",
+    "PromptTooLongError",
     "cache_dir",
     "check_model_source",
+    "check_prompt_lengths",
+    "context_of",
     "load_model",
     "prepare_model",
+    "prompt_ids",
     "smollm2_dir",
     "tiny_dir",
     "tiny_model",
     "weights_bytes",
 ]
+
+TINY_CONTEXT = 256  # the tiny model's positions (prompt + response)
 
 TINY_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -46,6 +52,10 @@ TINY_CHAT_TEMPLATE = (
 
 class ModelError(RuntimeError):
     """A model that cannot be found or loaded; the message names the path and the problem."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt with the responses to generate does not fit the model's context."""
 
 
 def cache_dir() -> Path:
@@ -84,6 +94,62 @@ def check_model_source(cfg: Any, chat_template: bool = False) -> None:
         _check_dir(path)
         if chat_template and not _has_chat_template(path):
             raise ModelError(no_chat_template(str(path)))
+
+
+def context_of(config: Any) -> int | None:
+    """Tokens a model can attend over (prompt + response), if its Hugging Face config says."""
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(n) if n else None
+
+
+def prompt_ids(tokenizer: Any, texts: list[str], chat_template: bool) -> list[list[int]]:
+    """Token ids of prompts as the model sees them: each text the user's message in the
+    tokenizer's chat template (when `chat_template` and it has one), else the raw text."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            for text in texts
+        ]
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    return [list(ids) for ids in tokenizer(texts).input_ids]
+
+
+def check_prompt_lengths(cfg: Any, prompts: list[Any], chat_template: bool, where: str) -> None:
+    """PromptTooLongError naming the prompts (actors.tasks.Prompt) that do not fit the
+    model's context with rollout.max_new_tokens: a task file's are all checked before a run
+    starts, not found when sampled, hours in. Where the context is not known before the
+    engine starts (vLLM without rollout.vllm.max_model_len may extend the model's own), the
+    worker checks each prompt as it samples it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if cfg.model.preset == "tiny":
+        tokenizer, context = tiny_tokenizer(), TINY_CONTEXT
+    else:
+        path = smollm2_dir() if cfg.model.preset == "smollm2-135m" else Path(cfg.model.path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            context = context_of(AutoConfig.from_pretrained(path, local_files_only=True))
+        except Exception as exc:  # transformers raises many types for broken files
+            raise ModelError(
+                f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
+            ) from exc
+    if cfg.rollout.engine == "vllm":
+        context = cfg.rollout.vllm.max_model_len
+    if context is None or not prompts:
+        return
+    new = cfg.rollout.max_new_tokens
+    lengths = [len(ids) for ids in prompt_ids(tokenizer, [p.text for p in prompts], chat_template)]
+    long = [(p, n) for p, n in zip(prompts, lengths, strict=True) if n + new > context]
+    if long:
+        shown = ", ".join(f"{p.prompt_id} ({n} tokens)" for p, n in long[:5])
+        more = f" and {len(long) - 5} more" if len(long) > 5 else ""
+        raise PromptTooLongError(
+            f"{where}: {len(long)} of {len(prompts)} prompts do not fit the model's context of "
+            f"{context} tokens with rollout.max_new_tokens={new}: {shown}{more} (a prompt's id "
+            "ends in its line number). Shorten or remove them, or lower rollout.max_new_tokens"
+        )
 
 
 def no_chat_template(model: str) -> str:
@@ -236,7 +302,7 @@ def tiny_model(seed: int = 0) -> tuple[Any, Any]:
     tokenizer = tiny_tokenizer()
     config = GPT2Config(
         vocab_size=len(tokenizer),
-        n_positions=256,
+        n_positions=TINY_CONTEXT,
         n_embd=64,
         n_layer=2,
         n_head=2,

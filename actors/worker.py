@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from staleflow.actors.engine import RolloutEngine, SamplingParams, WeightsUpdate
+from staleflow.actors.models import PromptTooLongError, prompt_ids
 from staleflow.actors.tasks import Prompt, Task, make_task
 from staleflow.buffer.records import FINISH_REASONS, Group, Response, batch_group_id
 from staleflow.buffer.replay import ReplayBuffer
@@ -65,10 +66,6 @@ class BatchReport:
     load_s: float = 0.0  # loading new weights at this batch's boundary
     reward_errors: int = 0  # responses whose reward function raised (scored 0)
     node: str = ""  # the Ray node it ran on ("" outside Ray)
-
-
-class PromptTooLongError(ValueError):
-    """A prompt with the responses to generate does not fit the model's context."""
 
 
 class RewardError(RuntimeError):
@@ -353,15 +350,7 @@ class RolloutWorker:
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         """Token ids of the prompt as the model sees it (chat template applied if asked);
         PromptTooLongError if they and rollout.max_new_tokens exceed the model's context."""
-        if self.task.chat_template and getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.text}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-            ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        else:
-            ids = list(self.tokenizer(prompt.text).input_ids)
+        ids = prompt_ids(self.tokenizer, [prompt.text], self.task.chat_template)[0]
         context = getattr(self.engine, "context_length", None)
         new = self.cfg.rollout.max_new_tokens
         if context is not None and len(ids) + new > context:

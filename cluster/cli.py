@@ -35,7 +35,7 @@ def _version() -> str:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    from staleflow.actors.models import ModelError
+    from staleflow.actors.models import ModelError, PromptTooLongError
     from staleflow.actors.tasks import TaskError
     from staleflow.cluster.commands import check_before_start
     from staleflow.configs import ConfigError, dump_config, load_config
@@ -44,7 +44,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         check_before_start(cfg)
-    except (ConfigError, TaskError, ModelError) as exc:
+    except (ConfigError, TaskError, ModelError, PromptTooLongError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(redact(dump_config(cfg)))  # passwords masked, as in the run's config.json

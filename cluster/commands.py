@@ -152,8 +152,9 @@ def check_before_start(cfg: Any, *, held_out: bool = True) -> None:
     function and held-out prompts (TaskError; not `held_out` on a resume: a run that had none
     goes on as it was), a model.path that is not a model directory on this machine, where
     the driver loads it, or whose tokenizer has no chat template the task asks for
-    (ModelError)."""
-    from staleflow.actors.models import check_model_source
+    (ModelError), a task file's prompt too long for the model's context (PromptTooLongError;
+    this loads the tokenizer, and converts the smollm2-135m preset once)."""
+    from staleflow.actors.models import check_model_source, check_prompt_lengths
     from staleflow.actors.tasks import make_task
     from staleflow.cluster.resources import check_sync_method
     from staleflow.cluster.schedule import check_schedule
@@ -164,6 +165,10 @@ def check_before_start(cfg: Any, *, held_out: bool = True) -> None:
     if held_out:  # an empty held-out set, refused now (not by every evaluation of the run)
         task.eval_prompts(min(cfg.task.eval_prompts, 1))
     check_model_source(cfg.model, chat_template=task.chat_template)
+    if cfg.task.path is not None:  # every prompt of the files (others are drawn, unbounded)
+        files = ", ".join(p for p in (cfg.task.path, cfg.task.eval_path) if p)
+        prompts = [*getattr(task, "train", []), *getattr(task, "eval", [])]
+        check_prompt_lengths(cfg, prompts, task.chat_template, files)
 
 
 def check_engine_installed(cfg: Any, address: str | None) -> None:

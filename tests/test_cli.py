@@ -281,6 +281,9 @@ def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_pat
     missing = tmp_path / "no-such"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(6)))
+    long = tmp_path / "long.jsonl"  # line 3 is far beyond the tiny model's 256 positions
+    rows = [{"prompt": "1+1 " * 200 if i == 3 else f"q{i}"} for i in range(1, 41)]
+    long.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for overrides, message in [
         (["model.preset=null", f"model.path={missing}"], f"model directory {missing} does not"),
         (["model.preset=null", f"model.path={tmp_path}"], "it has no config.json"),
@@ -291,6 +294,10 @@ def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_pat
         # each evaluation of the run failed and was skipped, its log naming only a type
         (["task.name=custom", f"task.path={prompts}", "task.reward_fn=math:fabs"],
          "custom task has no held-out prompts for task.eval_prompts=1"),
+        # found only when a worker sampled it, possibly hours into the run
+        (["task.name=custom", f"task.path={long}", "task.reward_fn=math:fabs"],
+         f"{long}: 1 of 40 prompts do not fit the model's context of 256 tokens with "
+         "rollout.max_new_tokens=8: custom:3 ("),
     ]:  # fmt: skip
         out = staleflow("config", "configs/tiny.yaml", *overrides)
         assert (out.returncode, out.stdout) == (2, ""), out.stderr

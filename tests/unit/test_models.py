@@ -109,3 +109,39 @@ def test_tiny_model_is_in_eval_mode_without_dropout():
         first, second = model(ids).logits, model(ids).logits
     torch.testing.assert_close(first, second, rtol=0, atol=0)
     assert not tiny_model(seed=0)[0].training
+
+
+def test_a_task_files_prompts_too_long_for_the_context_are_all_named(tmp_path, monkeypatch):
+    from staleflow.actors.models import PromptTooLongError, check_prompt_lengths, prompt_ids
+    from staleflow.actors.tasks import Prompt
+    from staleflow.configs import parse_config
+
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path))
+    directory = tiny_dir(0)  # the tiny model saved: read back as any model directory is
+    _, tokenizer = tiny_model(0)
+    short, long = "1+1", "1+1 " * 50
+    # the tiny tokenizer and its chat template: how many tokens each prompt is to the model
+    n_long = len(prompt_ids(tokenizer, [long], True)[0])
+    assert len(prompt_ids(tokenizer, [short], True)[0]) < 20 < n_long < 256 - 20
+    prompts = [Prompt(f"custom:{i}", long if i in (3, 7) else short, "") for i in range(1, 11)]
+    room = 256 - n_long  # max_new_tokens that just fits the long prompts
+    for model in (["model.preset=tiny"], ["model.preset=null", f"model.path={directory}"]):
+        cfg = parse_config("{}", [*model, f"rollout.max_new_tokens={room}"])
+        check_prompt_lengths(cfg, prompts, True, "p.jsonl")  # n_long + room == 256: fits
+        cfg = parse_config("{}", [*model, f"rollout.max_new_tokens={room + 1}"])
+        with pytest.raises(PromptTooLongError) as exc:
+            check_prompt_lengths(cfg, prompts, True, "p.jsonl")
+        assert str(exc.value).startswith(
+            f"p.jsonl: 2 of 10 prompts do not fit the model's context of 256 tokens with "
+            f"rollout.max_new_tokens={room + 1}: custom:3 ({n_long} tokens), custom:7 "
+            f"({n_long} tokens) (a prompt's id ends in its line number). Shorten or remove"
+        )
+        # without the chat template the same prompts are shorter: they fit
+        check_prompt_lengths(cfg, prompts, False, "p.jsonl")
+    # vLLM's own context is known only once it starts, unless max_model_len sets it
+    vllm = ["model.preset=tiny", "rollout.engine=vllm", f"rollout.max_new_tokens={room + 1}"]
+    check_prompt_lengths(parse_config("{}", vllm), prompts, True, "p.jsonl")
+    with pytest.raises(PromptTooLongError, match="context of 200 tokens"):
+        check_prompt_lengths(
+            parse_config("{}", [*vllm, "rollout.vllm.max_model_len=200"]), prompts, True, "p"
+        )
