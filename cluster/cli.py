@@ -253,7 +253,8 @@ def _add_run_commands(sub: Any) -> None:
         description="Run every cell of SWEEP.yaml's grid as a run directory under "
         "<output_dir>/<name>/runs/, then write the combined report (report.html, plots/, "
         "summary.md/.csv/.json) next to it. Resumable: run it again and completed cells are "
-        "skipped, incomplete ones are set aside under incomplete/ and rerun. The file format "
+        "skipped, incomplete ones continue from their last checkpoint (those that cannot are "
+        "set aside under incomplete/ and rerun). The file format "
         "is documented in configs/sweeps/tiny.yaml.",
     )
     sweep.add_argument("sweep_file", help="sweep file, e.g. configs/sweeps/tiny.yaml")

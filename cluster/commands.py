@@ -596,8 +596,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         started = time.time()
 
         def on_cell(cell: Any, status: str, summary: dict[str, Any] | None) -> None:
-            if status == "started":
-                print(f"[{done[0] + 1}/{total}] {cell.name} ...", flush=True)
+            if status in ("started", "resuming"):
+                note = " (continues from its last checkpoint)" if status == "resuming" else ""
+                print(f"[{done[0] + 1}/{total}] {cell.name} ...{note}", flush=True)
                 return
             done[0] += 1
             accuracy = (summary or {}).get("accuracy_after")
@@ -631,7 +632,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if any(s == "interrupted" for s in results.values()):
         print(
             "interrupted: run the same command again to go on (completed cells are kept; an "
-            "interrupted cell starts again from step 0, its attempt kept under incomplete/)",
+            "interrupted cell continues from its last checkpoint, or, without one, starts "
+            "again from step 0, its attempt kept under incomplete/)",
             file=sys.stderr,
         )
         return 130

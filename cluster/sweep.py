@@ -20,7 +20,9 @@ A sweep file names a base run config, overrides for every cell, and the grid's a
 Cells are the cartesian product of the axes; axes other than `columns` and `lines` (seeds)
 are averaged over in the report. Each cell is a normal run directory under
 <sweep dir>/runs/<cell>; a cell whose summary says "completed" is skipped when the sweep is
-run again, and a cell left incomplete (Ctrl-C, a crash) is moved to <sweep dir>/incomplete/
+run again; a cell left incomplete (Ctrl-C, a crash, a failure) continues from its last
+checkpoint as `staleflow train --resume` would, and one that cannot (no checkpoint yet, other
+settings, a damaged checkpoint) is moved to <sweep dir>/incomplete/, with the reason logged,
 and run again from step 0. A cell that fails does not stop the others. A sweep holds its
 directory (.lock) while it runs, and each cell's run directory as `staleflow train` does; it
 refuses to start beside another sweep of the directory, or when a completed cell was made
@@ -51,8 +53,8 @@ from staleflow.cluster.rundir import read_json_object, write_text
 from staleflow.configs.loader import ConfigError, named_text
 
 __all__ = [
-    "Cell", "Sweep", "SweepError", "cell_status", "load_sweep", "read_summary", "run_status",
-    "run_sweep",
+    "Cell", "Sweep", "SweepError", "cell_status", "load_sweep", "read_summary",
+    "resume_refusal", "run_status", "run_sweep",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -291,7 +293,9 @@ def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
 
 def cell_status(sweep: Sweep, cell: Cell) -> str:
     """ "running" (another process runs it now), "completed", "changed" (completed with
-    other settings than the sweep's now), "incomplete" or "new"."""
+    other settings than the sweep's now), "resumable" (incomplete, continues from its last
+    checkpoint), "incomplete" (to run again from step 0: `resume_refusal` says why) or
+    "new"."""
     from staleflow.cluster.rundir import RunDir
 
     if RunDir(sweep.runs / cell.name).in_use():
@@ -299,15 +303,40 @@ def cell_status(sweep: Sweep, cell: Cell) -> str:
     status = run_status(sweep.runs / cell.name)
     if status == "completed" and config_changes(sweep, cell):
         return "changed"
+    if status == "incomplete" and resume_refusal(sweep, cell) is None:
+        return "resumable"
     return status
 
 
+def resume_refusal(sweep: Sweep, cell: Cell) -> str | None:
+    """Why an incomplete cell cannot continue from its last checkpoint, or None if it can:
+    what `staleflow train --resume` checks (cluster.resume.check_resumable), and, stricter,
+    the cell's settings the same as the sweep's now (run.steps included)."""
+    from staleflow.cluster.resume import ResumeError, check_resumable, resumable_checkpoint
+    from staleflow.cluster.rundir import RunDir
+
+    run = RunDir(sweep.runs / cell.name)
+    try:
+        if not run.config.is_file() or resumable_checkpoint(run) is None:
+            return "it made no checkpoint"
+        changes = config_changes(sweep, cell)
+        if changes:
+            more = "; ..." if len(changes) > 3 else ""
+            return f"its settings are not the sweep's now ({'; '.join(changes[:3])}{more})"
+        check_resumable(run, sweep.config(cell))
+    except (ResumeError, OSError) as exc:
+        return str(exc)
+    return None
+
+
 def _set_aside(sweep: Sweep, cell: Cell) -> None:
-    """Move an incomplete attempt out of the way (kept, never deleted)."""
+    """Move an incomplete attempt that cannot resume out of the way (kept, never deleted)."""
+    why = resume_refusal(sweep, cell)
     target = sweep.directory / "incomplete" / f"{cell.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)
     (sweep.runs / cell.name).rename(target)
-    logger.warning("cell %s was incomplete; moved to %s and run again", cell.name, target)
+    logger.warning("cell %s was incomplete and cannot resume (%s): moved to %s and run again "
+                   "from step 0", cell.name, why, target)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -425,7 +454,8 @@ def run_sweep(
     """Run every cell not yet completed; returns cell -> final status ("completed",
     "failed": the other cells still run, "interrupted", "skipped (completed)"). Stops after
     a cell that was interrupted (Ctrl-C): run the same command again to go on; an interrupted
-    cell then starts again from step 0, its attempt kept under incomplete/. Refuses
+    cell then continues from its last checkpoint (or, if it cannot, `resume_refusal`, starts
+    again from step 0, its attempt kept under incomplete/). Refuses
     (SweepError) before running anything when another sweep holds the directory, or a cell
     is running or completed with other settings (`_check_cells`)."""
     with _holding(sweep):
@@ -444,10 +474,11 @@ def run_sweep(
                 _set_aside(sweep, cell)
         if not todo:
             return results
+        resume = {name for name, status in statuses.items() if status == "resumable"}
         if parallel > 1:
-            results.update(_run_processes(sweep, todo, address, parallel, on_cell))
+            results.update(_run_processes(sweep, todo, address, parallel, on_cell, resume))
         else:
-            results.update(_run_in_process(sweep, todo, address, on_cell))
+            results.update(_run_in_process(sweep, todo, address, on_cell, resume))
         return results
 
 
@@ -472,12 +503,13 @@ def _ray_for(sweep: Sweep, todo: list[Cell], address: str | None) -> Iterator[No
 
 
 def _run_in_process(
-    sweep: Sweep, todo: list[Cell], address: str | None, on_cell: Any
+    sweep: Sweep, todo: list[Cell], address: str | None, on_cell: Any, resume: set[str]
 ) -> dict[str, str]:
-    """Cells one after another, sharing one Ray instance (started once, stopped at the end).
-    A cell that fails is reported "failed" (its one-line error to `on_cell`, the traceback
-    in its logs/driver.log only) and the next one runs, as with --parallel; a lost Ray
-    cluster stops the sweep."""
+    """Cells one after another, sharing one Ray instance (started once, stopped at the end);
+    those named in `resume` continue from their last checkpoint. A cell that fails is
+    reported "failed" (its one-line error to `on_cell`, the traceback in its
+    logs/driver.log only) and the next one runs, as with --parallel; a lost Ray cluster
+    stops the sweep."""
     import os
 
     from staleflow.cluster.driver import Driver
@@ -488,16 +520,19 @@ def _run_in_process(
     results: dict[str, str] = {}
     with _ray_for(sweep, todo, address):
         for cell in todo:
+            resuming = cell.name in resume
             if on_cell is not None:
-                on_cell(cell, "started", None)
+                on_cell(cell, "resuming" if resuming else "started", None)
             cfg = sweep.config(cell)
             fd, handler = None, None
             try:
-                run = RunDir.create(str(sweep.runs), cell.name)
+                path = sweep.runs / cell.name
+                run = RunDir(path) if resuming else RunDir.create(str(sweep.runs), cell.name)
                 fd = run.lock()  # as `staleflow train` does: a `train --resume` of it is refused
                 handler = run.attach_log()
                 progress = Progress(cell.name, cfg.run.log_every)
-                summary = Driver(cfg, run, address=address, progress=progress).run()
+                driver = Driver(cfg, run, address=address, progress=progress, resume=resuming)
+                summary = driver.run()
             except ClusterUnreachable:
                 raise
             except Exception as exc:  # the cell's own failure: the other cells still run
@@ -537,9 +572,12 @@ class _Stopped(Exception):
         self.signum = signum
 
 
-def _child_command(sweep: Sweep, cell: Cell, join: str) -> tuple[list[str], dict[str, str]]:
-    """The `staleflow train` of one cell, and its environment: a Redis URL given as an
-    override goes in $STALEFLOW_REDIS_URL, never on a command line that `ps` shows."""
+def _child_command(
+    sweep: Sweep, cell: Cell, join: str, resume: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """The `staleflow train` of one cell (`resume`: `train --resume` of its run directory,
+    which has its config), and its environment: a Redis URL given as an override goes in
+    $STALEFLOW_REDIS_URL, never on a command line that `ps` shows."""
     import os
 
     env = dict(os.environ)
@@ -559,10 +597,13 @@ def _child_command(sweep: Sweep, cell: Cell, join: str) -> tuple[list[str], dict
     if isinstance(url, str):  # the train then takes it from $STALEFLOW_REDIS_URL
         env["STALEFLOW_REDIS_URL"] = url
         overrides.append("buffer.redis_url=null")  # (over a URL in the base config)
-    argv = [
-        sys.executable, "-m", "staleflow.cluster.cli", "train", str(sweep.base), *overrides,
-        *_placement(sweep, cell), "--address", join,
-    ]  # fmt: skip
+    train = [sys.executable, "-m", "staleflow.cluster.cli", "train"]
+    if resume:  # the URL (from the overrides or the base file) again in the environment:
+        url = sweep.config(cell).buffer.redis_url  # config.json masks its password
+        if url is not None:
+            env["STALEFLOW_REDIS_URL"] = url
+        return [*train, "--resume", str(sweep.runs / cell.name), "--address", join], env
+    argv = [*train, str(sweep.base), *overrides, *_placement(sweep, cell), "--address", join]
     return argv, env
 
 
@@ -579,10 +620,16 @@ def _last_error(log: Path, start: int) -> str | None:
 
 
 def _run_processes(
-    sweep: Sweep, todo: list[Cell], address: str | None, parallel: int, on_cell: Any
+    sweep: Sweep,
+    todo: list[Cell],
+    address: str | None,
+    parallel: int,
+    on_cell: Any,
+    resume: set[str],
 ) -> dict[str, str]:
     """Up to `parallel` cells at once, each a `staleflow train` process on one Ray cluster
-    (the given address, or a local one this process starts and the cells join). Each runs
+    (the given address, or a local one this process starts and the cells join); those named
+    in `resume` a `staleflow train --resume` of their run directory. Each runs
     in a session of its own: Ctrl-C, SIGTERM or SIGHUP reaches this process, which passes it
     on to each cell once (a second SIGINT would stop a run without its checkpoint), ignores
     any more, and waits for them before it stops the Ray they use. Each cell's output is
@@ -612,7 +659,8 @@ def _run_processes(
                 while queue or running:
                     while queue and len(running) < parallel:
                         cell = queue.pop(0)
-                        argv, env = _child_command(sweep, cell, join)
+                        resuming = cell.name in resume
+                        argv, env = _child_command(sweep, cell, join, resuming)
                         out = open(logs / f"{cell.name}.out", "ab")  # noqa: SIM115
                         started = time.strftime("%Y-%m-%d %H:%M:%S")
                         out.write(f"--- {started} {cell.name}\n".encode())
@@ -622,7 +670,7 @@ def _run_processes(
                         )
                         running[cell.name] = (cell, proc, out, out.tell())
                         if on_cell is not None:
-                            on_cell(cell, "started", None)
+                            on_cell(cell, "resuming" if resuming else "started", None)
                     time.sleep(0.5)
                     for name, (cell, proc, out, start) in list(running.items()):
                         if proc.poll() is None:

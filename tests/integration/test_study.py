@@ -176,17 +176,32 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
         assert row["peak"] == max(evals)
     assert "| sync | algorithm |" in (sweep.directory / "summary.md").read_text()
 
-    # resumable: completed cells are skipped; an incomplete one is set aside and rerun
+    # resumable: completed cells are skipped; an incomplete one continues from its last
+    # checkpoint (as one stopped during its last step: its final evaluation and summary are
+    # left to do); one that cannot (no checkpoint in LATEST) is set aside and rerun
     (sweep.runs / "offline__grpo" / "summary.json").unlink()
+    (sweep.runs / "offline__reinforce" / "summary.json").unlink()
+    (sweep.runs / "offline__reinforce" / "checkpoints" / "LATEST").unlink()
     write_sweep_report(sweep.directory)  # a cell that did not complete is left out
     rows = json.loads((sweep.directory / "summary.json").read_text())
     assert [r["runs"] for r in rows if r["algorithm"] == "grpo" and r["sync"] == "offline"] == [0]
-    results = run_sweep(load_sweep(write_sweep(tmp_path)))
-    assert results["offline__grpo"] == "completed"
-    assert all(results[n] == "skipped (completed)" for n in names[:3])
+    evals_before = [r for r in read_metrics(sweep.runs / "offline__grpo" / "metrics.jsonl")
+                    if r["kind"] == "eval"]  # fmt: skip
+    seen = []
+    results = run_sweep(
+        load_sweep(write_sweep(tmp_path)), on_cell=lambda c, st, s: seen.append((c.name, st))
+    )
+    assert results["offline__grpo"] == results["offline__reinforce"] == "completed"
+    assert ("offline__grpo", "resuming") in seen
+    assert ("offline__reinforce", "started") in seen
+    assert all(results[n] == "skipped (completed)" for n in names[:2])
+    records = list(read_metrics(sweep.runs / "offline__grpo" / "metrics.jsonl"))
+    assert [r["step"] for r in records if r["kind"] == "resume"] == [4]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [1, 2, 3, 4]  # once each
+    assert [r for r in records if r["kind"] == "eval"] == evals_before  # none made twice
     aside = list((sweep.directory / "incomplete").iterdir())
     assert len(aside) == 1
-    assert aside[0].name.startswith("offline__grpo-")
+    assert aside[0].name.startswith("offline__reinforce-")
     assert (aside[0] / "metrics.jsonl").is_file()  # kept, not deleted
 
 
@@ -201,6 +216,14 @@ def test_sweep_cells_in_parallel_join_one_ray_cluster(tmp_path, ray_local):
         assert summary["steps"] == 4
         assert summary["groups"]["reconciled"]
         assert (sweep.directory / "logs" / f"{cell.name}.out").is_file()
+    # an incomplete cell goes on as `staleflow train --resume` of its run directory
+    (sweep.runs / "onpolicy__grpo" / "summary.json").unlink()
+    results = run_sweep(sweep, parallel=2)
+    assert results == {"onpolicy__grpo": "completed", "onpolicy__reinforce": "skipped (completed)"}
+    records = list(read_metrics(sweep.runs / "onpolicy__grpo" / "metrics.jsonl"))
+    assert [r["step"] for r in records if r["kind"] == "resume"] == [4]
+    assert [r["step"] for r in records if r["kind"] == "step"] == [1, 2, 3, 4]
+    assert not (sweep.directory / "incomplete").exists()
 
 
 def test_sweep_cli_lists_cells_and_refuses_a_bad_cell(tmp_path):

@@ -232,8 +232,12 @@ class FakeDriver:
     fail: ClassVar[dict[str, Exception]] = {}
     seen_locked: ClassVar[list[bool]] = []
 
-    def __init__(self, cfg, run, address=None, progress=None):
+    resumed: ClassVar[list[str]] = []
+
+    def __init__(self, cfg, run, address=None, progress=None, resume=False):
         self.cfg, self.rundir = cfg, run
+        if resume:
+            FakeDriver.resumed.append(cfg.run.name)
 
     def run(self):
         from staleflow.cluster.rundir import write_text
@@ -256,7 +260,7 @@ def fake_driver(monkeypatch):
 
     monkeypatch.setattr(driver, "Driver", FakeDriver)
     monkeypatch.setattr(sweep, "_ray_for", lambda *a: contextlib.nullcontext())
-    FakeDriver.fail, FakeDriver.seen_locked = {}, []
+    FakeDriver.fail, FakeDriver.seen_locked, FakeDriver.resumed = {}, [], []
     return FakeDriver
 
 
@@ -283,6 +287,70 @@ def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path, fake_driv
     assert [p.name.rsplit("-", 2)[0] for p in (sweep.directory / "incomplete").iterdir()] == [
         "seed-1"
     ]
+
+
+def _checkpoint(run, steps: int) -> None:
+    """A checkpoint as `check_resumable` reads it (trainer.json and safetensors headers),
+    named in LATEST."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from staleflow.cluster.resume import STATE_FORMAT
+    from staleflow.learner.checkpoint import FORMAT
+
+    path = run.checkpoints / f"step-{steps:06d}"
+    path.mkdir(parents=True)
+    driver = {"format": STATE_FORMAT, "flow": {"steps": steps}, "prompts_per_batch": 2}
+    (path / "trainer.json").write_text(json.dumps({"format": FORMAT, "extra": {"driver": driver}}))
+    for name in ("model", "rng", "optimizer"):
+        save_file({"x": np.zeros(2, np.float32)}, str(path / f"{name}.safetensors"))
+    run.mark_latest_checkpoint(path)
+
+
+def test_an_incomplete_cell_continues_from_its_checkpoint_or_says_why_not(
+    tmp_path, fake_driver, caplog
+):
+    # an interrupted or crashed cell used to be set aside and run again from step 0, its
+    # checkpoints unused: hours of a long cell lost to one Ctrl-C
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.cluster.sweep import cell_status, resume_refusal, run_sweep
+
+    path = sweep_file(tmp_path, "overrides: {run.steps: 40}\ngrid: {run.seed: [0, 1, 2]}\n")
+    sweep = load_sweep(path, tmp_path / "o")
+    fake_driver.fail = {c.name: RuntimeError("crash") for c in sweep.cells}
+    assert set(run_sweep(sweep).values()) == {"failed"}  # each has config.json, no summary
+    fake_driver.fail = {}
+    runs = {c.name: RunDir(sweep.runs / c.name) for c in sweep.cells}
+    # seed-0 stopped at step 20 with a checkpoint; seed-1 before its first; seed-2's
+    # checkpoint is damaged
+    for name in ("seed-0", "seed-2"):
+        _checkpoint(runs[name], 20)
+    (runs["seed-2"].checkpoints / "step-000020" / "optimizer.safetensors").write_bytes(b"x")
+    sweep = load_sweep(path, tmp_path / "o")
+    assert [cell_status(sweep, c) for c in sweep.cells] == ["resumable", "incomplete", "incomplete"]
+    assert resume_refusal(sweep, sweep.cells[1]) == "it made no checkpoint"
+    assert "optimizer.safetensors: corrupt" in resume_refusal(sweep, sweep.cells[2])
+    seen = []
+    with caplog.at_level("WARNING"):
+        results = run_sweep(sweep, on_cell=lambda c, st, s: seen.append((c.name, st)))
+    assert set(results.values()) == {"completed"}
+    assert fake_driver.resumed == ["seed-0"]
+    assert ("seed-0", "resuming") in seen
+    assert ("seed-1", "started") in seen
+    assert (sweep.runs / "seed-0" / "checkpoints" / "step-000020").is_dir()  # in place
+    aside = sorted(p.name.rsplit("-", 2)[0] for p in (sweep.directory / "incomplete").iterdir())
+    assert aside == ["seed-1", "seed-2"]
+    assert "cell seed-1 was incomplete and cannot resume (it made no checkpoint)" in caplog.text
+    assert "cell seed-2 was incomplete and cannot resume (" in caplog.text
+    # other settings than the checkpoint's (the file's overrides changed): from step 0
+    fake_driver.resumed.clear()
+    (sweep.runs / "seed-0" / "summary.json").unlink()
+    path.write_text(path.read_text().replace("run.steps: 40", "run.steps: 60"))
+    sweep = load_sweep(path, tmp_path / "o")
+    assert (
+        resume_refusal(sweep, sweep.cells[0])
+        == "its settings are not the sweep's now (run.steps: 40 -> 60)"
+    )
 
 
 def test_completed_cells_made_with_other_settings_are_not_reported_as_new_ones(
