@@ -399,11 +399,11 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
     """ResumeError if `cfg` (config.json with the resume's overrides) differs from the config
     the checkpoint was trained with (`saved`, from trainer.json) in a key a resume may not
     change: an edited config.json would train the rest of the run differently."""
-    from staleflow.configs.loader import redact
+    from staleflow.configs.loader import redacted_dict
 
     if not isinstance(saved, dict):
         return  # an older checkpoint without its config: nothing to compare
-    now = flatten(json.loads(redact(cfg.model_dump_json())))
+    now = flatten(redacted_dict(cfg))
     free = {*_RESUMABLE, "run.name", "run.output_dir"}
     for key, old in flatten(saved).items():
         new = now.get(key, old)  # a key this build added or dropped: not a change

@@ -276,12 +276,12 @@ def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
     of the two has (a newer staleflow), the run's name and place and the Redis server's URL
     are not compared."""
     from staleflow.cluster.resume import flatten
-    from staleflow.configs.loader import redact
+    from staleflow.configs.loader import redacted_dict
 
     saved = read_json_object(sweep.runs / cell.name / "config.json")
     if saved is None:
         return []
-    now = flatten(json.loads(redact(sweep.config(cell).model_dump_json())))
+    now = flatten(redacted_dict(sweep.config(cell)))
     then = flatten(saved)
     where = ("run.name", "run.output_dir", "buffer.redis_url")  # (--parallel: in the env)
     return [

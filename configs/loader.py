@@ -11,6 +11,7 @@ section's own check names the section's line and the overrides of keys inside it
 from __future__ import annotations
 
 import io
+import json
 import re
 import types
 import typing
@@ -30,6 +31,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "redact",
+    "redacted_dict",
 ]
 
 Loc = tuple[str, ...]
@@ -113,6 +115,23 @@ def redact(text: str) -> str:
     ?password=... -> ?password=***). Only URLs with a scheme: in free text `a:b@c` is not
     always a credential (a path may hold one); see `redact_url` for a value known to be a URL."""
     return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+def redacted_dict(cfg: RunConfig) -> dict[str, Any]:
+    """`cfg` as plain JSON data with every string's passwords masked, each string on its
+    own: `redact` on a whole compact JSON text would mask from one URL's `host:` to an '@'
+    in any later value (an output_dir such as /data/exp@v2), dropping the keys between."""
+
+    def mask(value: Any) -> Any:
+        if isinstance(value, str):
+            return redact(value)
+        if isinstance(value, dict):
+            return {key: mask(v) for key, v in value.items()}
+        if isinstance(value, list):
+            return [mask(v) for v in value]
+        return value
+
+    return dict(mask(json.loads(cfg.model_dump_json())))
 
 
 def redact_url(url: str) -> str:

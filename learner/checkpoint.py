@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from staleflow.configs.loader import redact
+from staleflow.configs.loader import redacted_dict
 
 __all__ = [
     "FORMAT",
@@ -108,7 +108,7 @@ def save_checkpoint(
                     "python": [python_state[0], list(python_state[1]), python_state[2]],
                     "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
                 },
-                "config": json.loads(redact(learner.cfg.model_dump_json())),  # no passwords
+                "config": redacted_dict(learner.cfg),  # no passwords
                 "extra": extra or {},
             }
             (tmp / "trainer.json").write_text(json.dumps(trainer, default=_json_scalar))

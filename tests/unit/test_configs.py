@@ -387,3 +387,30 @@ def test_a_section_given_twice_is_refused_not_merged_silently(tmp_path):
     nested = MINIMAL + "run:\n  steps: 3\n  steps: 4\n"
     with pytest.raises(ConfigError, match=r"run\.steps is given twice"):
         load_config(write(tmp_path, nested))
+
+
+def test_a_config_as_data_masks_each_password_and_keeps_every_key():
+    # redact() over the compact JSON masked from the URL's "host:" to the last '@' anywhere
+    # after it: with an output_dir holding one, trainer.json lost the learner and sync
+    # sections, and a resume compared nothing there
+    from staleflow.configs.loader import redacted_dict
+
+    cfg = parse_config(
+        "model: {preset: tiny}",
+        [
+            "buffer.redis_url=redis://10.0.0.5:6379/0",
+            "run.output_dir=/data/exp@v2",
+            "learner.optimizer.lr=0.5",
+        ],
+    )
+    data = redacted_dict(cfg)
+    assert set(data) == set(json.loads(cfg.model_dump_json()))
+    assert data["buffer"]["redis_url"] == "redis://10.0.0.5:6379/0"
+    assert data["run"]["output_dir"] == "/data/exp@v2"
+    assert data["learner"]["optimizer"]["lr"] == 0.5
+    urls = ["buffer.redis_url=redis://u:s3cr@t@h:1/0", "run.output_dir=/a@b"]
+    cfg = parse_config("model: {preset: tiny}", urls)
+    data = redacted_dict(cfg)
+    assert data["buffer"]["redis_url"] == "redis://u:***@h:1/0"
+    assert "s3cr" not in json.dumps(data)
+    assert data["run"]["output_dir"] == "/a@b"
