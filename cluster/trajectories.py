@@ -89,8 +89,12 @@ class TrajectoryLog:
         tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
         os.replace(tmp, path)
         self._steps = open(path, "a", encoding="utf-8")  # noqa: SIM115
-        self._groups.flush()
-        self._stored = {g.group_id for g in _read_groups(self.dir / "groups.bin")}
+        # a record torn by the crash is cut off: appended after, the next would be misread
+        self._groups.close()
+        groups = self.dir / "groups.bin"
+        os.truncate(groups, _whole_records_end(groups))
+        self._groups = open(groups, "ab")  # noqa: SIM115
+        self._stored = {g.group_id for g in _read_groups(groups)}
 
     def close(self) -> None:
         self._groups.close()
@@ -116,6 +120,20 @@ def read_trajectories(
         except json.JSONDecodeError:
             break  # torn by a crash: everything before it is whole
     return steps, groups
+
+
+def _whole_records_end(path: Path) -> int:
+    """The offset where the last whole record of groups.bin ends (its size if none is torn)."""
+    end = 0
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        while (header := f.read(_LEN.size)) and len(header) == _LEN.size:
+            (n,) = _LEN.unpack(header)
+            if end + _LEN.size + n > size:
+                break
+            end += _LEN.size + n
+            f.seek(end)
+    return end
 
 
 def _read_groups(path: Path) -> Iterator[Group]:
