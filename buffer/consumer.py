@@ -108,6 +108,7 @@ class Consumer:
             for entry_id in self._select(n - len(taken)):
                 version, fields = self._pool.pop(entry_id)
                 taken.append((entry_id, version, fields, False))
+                self._held.add(entry_id)  # from now: a reclaim while this take waits skips it
             if len(taken) < n and self.sampling == "replay":
                 replays, dropped = self._take_replays(n - len(taken), learner_version)
                 taken.extend(replays)
@@ -151,11 +152,10 @@ class Consumer:
                     )
             except RecordError as exc:
                 bad.append((entry_id, replay, str(exc)))
+                self._held.discard(entry_id)  # dropped, not handed out
                 continue
             groups.append(group)
             receipts.append(Receipt(entry_id, version, replay))
-            if not replay:
-                self._held.add(entry_id)
         return groups, receipts, bad
 
     def _select(self, k: int) -> list[str]:
@@ -280,6 +280,10 @@ class Consumer:
         `idle_ms` into the pool, except those this consumer holds, and make replays out that
         long replayable again; how many entries came."""
         start, count = "0-0", 0
+        # Held as the claim is sent: an entry acked (another thread: the learner's commit)
+        # after XAUTOCLAIM returned it has left `_held` but is in the reply with its payload,
+        # and must not be handed out again (as in `_reread_own`).
+        held = set(self._held)
         while True:  # XAUTOCLAIM's cursor only moves forward through the pending list
             start, claimed, *_ = self.client.xautoclaim(
                 self.keys.stream, GROUP_NAME, self.name, idle_ms, start_id=start, count=256
@@ -287,7 +291,7 @@ class Consumer:
             for entry_id, fields in claimed:
                 entry = text(entry_id)
                 # deleted entries come back empty; held ones are in a step or staged already
-                if fields and entry not in self._held and entry not in self._pool:
+                if fields and entry not in held and entry not in self._pool:
                     self._pool[entry] = parse_fields(fields)
                     count += 1
             if text(start) == "0-0":

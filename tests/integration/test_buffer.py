@@ -194,6 +194,50 @@ def test_groups_a_consumer_holds_are_never_handed_to_it_again(redis_url):
     assert buffer.stats().acked == 2
 
 
+def test_a_take_waiting_for_more_never_hands_out_what_it_has_taken_twice(redis_url):
+    # A take that waits for its groups (the learner's prefetch waits up to a step) had moved
+    # p0 out of the pool but not yet into the held set: its own reclaim, once p0 was idle
+    # past claim_idle_s, put p0 back and the same take handed it out twice.
+    import threading
+
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=0.2)
+    buffer.push(group(prompt="p0"))
+    late = threading.Timer(0.8, lambda: [buffer.push(group(prompt=p)) for p in ("p1", "p2")])
+    late.start()
+    taken = buffer.take(3, learner_version=0, timeout_s=3.0)  # reclaims every 0.05 s
+    late.join()
+    assert sorted(g.prompt_id for g in taken.groups) == ["p0", "p1", "p2"]
+    assert buffer.ack(taken.receipts) == 3
+
+
+def test_an_ack_racing_a_reclaim_does_not_hand_the_acked_group_out_again(redis_url):
+    # The learner's commit acks on one thread while the prefetch reclaims on another: an
+    # entry XAUTOCLAIM returned just before the ack deleted it had left the held set by the
+    # time the reply was read, and went back into the pool with its payload.
+    from staleflow.buffer.consumer import Consumer
+
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=0.2)
+    for p in ("p0", "p1"):
+        buffer.push(group(prompt=p))
+    first = buffer.take(2, learner_version=0)
+    time.sleep(0.3)  # held past claim_idle_s: a reclaim's XAUTOCLAIM returns them
+    consumer = buffer._consumer
+    assert isinstance(consumer, Consumer)
+    xautoclaim = consumer.client.xautoclaim
+
+    def claim_then_ack(*args, **kwargs):  # the commit lands between the reply and its use
+        reply = xautoclaim(*args, **kwargs)
+        if reply[1]:
+            assert buffer.ack(first.receipts) == 2
+        return reply
+
+    consumer.client.xautoclaim = claim_then_ack
+    consumer._claim(200)
+    consumer.client.xautoclaim = xautoclaim
+    assert take_all(buffer, 2)[1] == []  # neither comes back
+    assert buffer.stats().acked == 2
+
+
 def test_slow_step_is_not_stolen_before_claim_idle(redis_url):
     ReplayBuffer(redis_url, "run").push(group())
     first = ReplayBuffer(redis_url, "run", consumer="first", claim_idle_s=30)
