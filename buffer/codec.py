@@ -250,7 +250,8 @@ def _unpack(data: Any, field: str, max_bin_len: int) -> Any:
             raw=False,
             use_list=True,
             strict_map_key=True,
-            max_str_len=max(LIMITS["string"], LIMITS["meta_string"]),
+            # bytes, while the limits count characters (checked after): UTF-8 takes up to 4
+            max_str_len=4 * max(LIMITS["string"], LIMITS["meta_string"]),
             max_bin_len=max_bin_len,
             max_array_len=LIMITS["responses"],
             max_map_len=max(LIMITS["meta_entries"], len(_HEADER_KEYS)),

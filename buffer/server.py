@@ -177,8 +177,8 @@ class RedisServer:
             " ".join(dict.fromkeys(["bind", "127.0.0.1", self.host])),
             f"port {port}",
             f"requirepass {self.password}",
-            f"dir {self.data_dir}",
-            f"logfile {self.log_path}",
+            f"dir {_quoted(str(self.data_dir))}",  # a path may hold spaces or quotes
+            f"logfile {_quoted(str(self.log_path))}",
             "daemonize no",
             "protected-mode yes",
             'save ""',
@@ -245,3 +245,10 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _quoted(value: str) -> str:
+    """`value` as one argument of a redis.conf line: double-quoted, with the escapes Redis
+    reads back (backslash, quote, newline, carriage return, tab)."""
+    escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+    return '"' + "".join(escapes.get(c, c) for c in value) + '"'

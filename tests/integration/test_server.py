@@ -53,6 +53,18 @@ def test_private_server_lifecycle(tmp_path):
     assert not record.exists()
 
 
+def test_a_server_starts_in_a_directory_whose_path_has_spaces_and_quotes(tmp_path):
+    # redis.conf held `dir /home/x/My Project/...` unquoted: redis-server refused the line
+    # (wrong number of arguments), so every run under such a path failed to start
+    data = tmp_path / 'My "runs" dir' / "redis"
+    with RedisServer(data, persistence=True) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.ping()
+        assert client.config_get("dir")["dir"] == str(data)
+        client.close()
+    assert (data / "redis.log").is_file()
+
+
 def test_a_server_for_other_nodes_listens_on_the_given_address_too(tmp_path):
     from ray.util import get_node_ip_address
 

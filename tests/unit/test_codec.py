@@ -345,3 +345,19 @@ print("all refused")
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "all refused"
+
+
+def test_strings_at_their_character_limit_round_trip_in_any_script():
+    # the limits count characters, msgpack's decoder bytes: 1500 CJK characters (4500 bytes
+    # of UTF-8) were encoded, then refused on decode, and the group dropped as invalid
+    from staleflow.buffer.codec import LIMITS
+
+    text = "漢" * LIMITS["meta_string"]  # 3 bytes each
+    emoji = "🙂" * LIMITS["string"]  # 4 bytes each
+    response = Response(token_ids=[1, 2], behavior_logp=[-0.1, -0.2], reward=1.0,
+                        finish_reason="stop", metadata={emoji: text})  # fmt: skip
+    group = Group.new(run_id="r", prompt_id=emoji, task="t", prompt_token_ids=[3],
+                      responses=[response], policy_version=0, worker_id="w")  # fmt: skip
+    back = decode(encode(group))
+    assert back.responses[0].metadata == {emoji: text}
+    assert back.prompt_id == emoji
