@@ -26,7 +26,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from staleflow.buffer.connection import BufferConnectionError
 from staleflow.cluster.evaluations import Evaluations
@@ -76,6 +76,7 @@ class Driver(CheckpointMixin):
         self.rollouts: Any = None  # Rollouts: the batches on the workers, once started
         self.evaluations: Any = None  # Evaluations in flight, once started
         self.learning: list[Any] | None = None  # refs of the learner call in flight
+        self._ranks_returned: set[Any] = set()  # of those, other ranks' already returned
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
         self._publish_when_idle = False  # async broadcast: engines were added
         self.timeline = Timeline()
@@ -149,6 +150,7 @@ class Driver(CheckpointMixin):
             self.batch_was_complete = self.schedule.lockstep and done
             wait = COMPLETE_BATCH_WAIT_S if self.batch_was_complete else LEARNER_WAIT_S
             self.learning = self.learner.train(wait, publish)
+            self._ranks_returned = set()
 
     def _dispatch(self, slots: list[Any], version: int, batch: int | None = None) -> None:
         """Start a new rollout batch (or, given `batch`, one a resume redoes) at `version`,
@@ -208,11 +210,7 @@ class Driver(CheckpointMixin):
         try:
             report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
         except Exception as exc:
-            self.learning = None
-            self.learner_failed = rank_error(exc)
-            raise LearnerFailed(
-                f"a learner rank failed at step {self.step + 1}: {self.learner_failed}"
-            ) from exc
+            self._learner_failed(exc)
         self.learning = None
         self._account(report)
         c = self.counts
@@ -412,13 +410,37 @@ class Driver(CheckpointMixin):
         logger.warning("stopping (%s): finishing the step in flight (%s again to stop now)",
                        self.stop_signal, again)  # fmt: skip
 
+    def _learner_failed(self, exc: BaseException) -> NoReturn:
+        self.learning = None
+        self.learner_failed = rank_error(exc)
+        raise LearnerFailed(
+            f"a learner rank failed at step {self.step + 1}: {self.learner_failed}"
+        ) from exc
+
+    def _rank_returned(self, ref: Any) -> None:
+        """A learner rank other than 0 returned from its step: if it raised (or died), the
+        run stops now. Rank 0 may be waiting for it in a collective, which only the process
+        group's timeout (10-30 min) would end."""
+        import ray
+
+        try:
+            ray.get(ref)
+        except Exception as exc:
+            self._learner_failed(exc)
+        self._ranks_returned.add(ref)
+
+    def _learning_refs(self) -> list[Any]:
+        """The step's calls still to watch: rank 0's (its report), and the other ranks'
+        that have not returned (`_rank_returned`)."""
+        if self.learning is None:
+            return []
+        return [self.learning[0], *(r for r in self.learning[1:] if r not in self._ranks_returned)]
+
     def _wait(self) -> None:
         """Block until something in flight finishes (or briefly, to poll buffer and control)."""
         import ray
 
-        refs = list(self.rollouts.shards) + self.evaluations.refs
-        if self.learning is not None:
-            refs.append(self.learning[0])
+        refs = list(self.rollouts.shards) + self.evaluations.refs + self._learning_refs()
         timeout = 0.2 if self.cfg.sync.mode == "async" or not refs else 1.0
         done, _ = ray.wait(refs, num_returns=1, timeout=timeout) if refs else ([], [])
         if not refs:
@@ -426,6 +448,8 @@ class Driver(CheckpointMixin):
         for ref in done:
             if self.learning is not None and ref == self.learning[0]:
                 self._on_learner_done()
+            elif self.learning is not None and ref in self.learning:
+                self._rank_returned(ref)
             elif ref in self.rollouts.shards:
                 self._on_batch_done(ref)
             else:
@@ -437,9 +461,12 @@ class Driver(CheckpointMixin):
         """Finish the step and evaluations in flight; let no rollout batch push afterwards."""
         import ray
 
-        if self.learning is not None:
-            ray.wait(self.learning, num_returns=len(self.learning))
-            self._on_learner_done()
+        while self.learning is not None:  # a rank failing first stops it (`_rank_returned`)
+            done, _ = ray.wait(self._learning_refs(), num_returns=1)
+            if done[0] == self.learning[0]:
+                self._on_learner_done()
+            else:
+                self._rank_returned(done[0])
         for ref in self.evaluations.refs:
             self._on_eval_done(ref)
         self.evaluations.running = []  # a retry started just now is not waited for

@@ -476,11 +476,14 @@ class LearnerGroup:
         that died or raised during them (a publish, a checkpoint, ...) is a LearnerFailed, as
         in a step, so the run stops the same clean way whatever the ranks were doing."""
         pending = list(refs)
-        while pending:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            if pending:
-                self.while_waiting()
         try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+                # a rank that failed stops the wait at once: the others may be waiting for
+                # it in a collective, which only the process group's timeout would end
+                ray.get(done)
+                if pending:
+                    self.while_waiting()
             return list(ray.get(refs))
         except ray.exceptions.RayError as exc:
             failure = rank_error(exc)
@@ -489,6 +492,9 @@ class LearnerGroup:
     def kill(self) -> None:
         try:
             ray.get([r.close.remote() for r in self.ranks], timeout=30)
+        except ray.exceptions.GetTimeoutError:  # killed below all the same
+            logger.warning("a learner rank did not close in 30 s (still in its step, "
+                           "waiting for a rank that failed?): killed")  # fmt: skip
         finally:
             for r in self.ranks:
                 ray.kill(r)

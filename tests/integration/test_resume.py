@@ -222,6 +222,42 @@ def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
     assert_reconciled(resumed)
 
 
+def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_local, monkeypatch):
+    # The driver watched only rank 0's call: rank 1 raising (out of memory, say) left rank 0
+    # waiting for it in the step's first collective, and the run hung until the process
+    # group's timeout (10-30 min). Injected here: at the third learner call rank 1 raises
+    # instead of stepping, while rank 0 steps for real.
+    import time
+
+    import ray
+
+    from staleflow.cluster.placement import LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    def out_of_memory():
+        raise MemoryError("rank 1 ran out of memory")
+
+    original, calls = LearnerGroup.train, []
+
+    def rank_1_fails(self, wait_s, publish):
+        calls.append(wait_s)
+        if len(calls) == 3:
+            return [self.ranks[0].train.remote(wait_s, publish), out_of_memory.remote()]
+        return original(self, wait_s, publish)
+
+    monkeypatch.setattr(LearnerGroup, "train", rank_1_fails)
+    started = time.monotonic()
+    _cfg, run, summary, _ = run_driver(
+        tmp_path, "run.name=m", "learner.num_ranks=2", "run.steps=6", "run.checkpoint_every=2"
+    )
+    assert summary["status"] == "failed"
+    assert summary["steps"] == 2
+    assert "MemoryError: rank 1 ran out of memory" in summary["learner_error"]
+    assert summary["resume"] == f"staleflow train --resume {run.path}"
+    # the stop waits at most the 30 s given to a blocked rank's close: never the collective's
+    assert time.monotonic() - started < 300
+
+
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
     # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
     base = [
