@@ -573,7 +573,7 @@ class Driver(CheckpointMixin):
         try:
             learner_ok = self.learner is not None and self.learner_failed is None
             if learner_ok and self.step > 0 and self.step != self._checkpointed:
-                self._checkpoint()
+                self._checkpoint(final=status == "completed")
             if self.buffer is not None:
                 if learner_ok:
                     stale, invalid = self.learner.settle()  # no take races the counts

@@ -127,9 +127,26 @@ class CheckpointMixin:
     whose state (the schedule's Flow, the Counts, the published versions) they write and
     read back, kept here with the rest of what a checkpoint holds."""
 
-    def _checkpoint(self: Any) -> None:
+    def _checkpoint(self: Any, final: bool = False) -> None:
         """Checkpoint the learner with the driver's state (`driver_state`), name it in LATEST,
-        then ack and count the groups it holds: every step up to this one is durable now."""
+        then ack and count the groups it holds: every step up to this one is durable now.
+
+        With a broadcast sync (nccl, gloo) no copy of older weights is kept, so a checkpoint
+        between a lock-step schedule's syncs, where coming batches still need older weights,
+        could never be resumed; made, it would ack its groups and leave the run nothing to
+        resume from. It is skipped (with a warning; the groups stay held for the next one),
+        except the completed run's `final` one, kept for its weights."""
+        if self.sync.broadcasts and not final:
+            needed = sorted(versions_in_use(self.schedule, self.flow))
+            if needed:
+                logger.warning(
+                    "no checkpoint at step %d: batches still to run need weights v%s, which "
+                    "sync.method %s does not keep, so it could not be resumed; a resume "
+                    "continues from the last checkpoint (set run.checkpoint_every to a "
+                    "multiple of sync.interval to checkpoint at syncs)",
+                    self.step, needed, self.cfg.sync.method,
+                )  # fmt: skip
+                return
         path = self.rundir.checkpoints / f"step-{self.step:06d}"
         held = self.flow.trained - self.counts.trained  # trainings acked by this checkpoint
         state = driver_state(self, trained=self.flow.trained)

@@ -125,17 +125,30 @@ def test_the_driver_does_not_grow_an_ipc_run_past_its_bundle(tmp_path, ray_local
     assert run.take_worker_request() is None  # taken, not left for later
 
 
-def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(tmp_path, ray_local):
+def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(
+    tmp_path, ray_local, caplog
+):
     # I = 2: batches 1-2 on v0, 3-4 on v2; evaluation every 2 steps uses the broadcast weights
     steps = 4
-    _cfg, _run, summary, records = run_driver(
-        tmp_path, "sync.method=gloo", "sync.interval=2", "run.eval_every=2",
-        "task.eval_prompts=4", f"run.steps={steps}",
-    )  # fmt: skip
+    args = ["sync.method=gloo", "sync.interval=2", "run.eval_every=2", "task.eval_prompts=4",
+            "run.checkpoint_every=1", "run.keep_checkpoints=10", "run.name=g"]  # fmt: skip
+    _cfg, run, summary, records = run_driver(tmp_path, *args, f"run.steps={steps}")
     assert summary["status"] == "completed"
     assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 2, 0) for t in range(1, 5)]
     assert sorted(summary["accuracy_by_step"]) == ["0", "2", "4"]
     assert summary["groups"]["reconciled"]
+    # a checkpoint between syncs while a batch still needs the older weights (at step 1 or
+    # 3, whether the next batch was already made depends on timing) could not be resumed:
+    # made, it acked its groups and left the run nothing to resume from. At syncs, all are.
+    made = {int(p.name[5:]) for p in run.checkpoints.glob("step-*")}
+    assert {2, 4} <= made
+    for step in (1, 3):
+        assert (step in made) != (f"no checkpoint at step {step}: batches" in caplog.text)
+    # and the run goes on from its last one
+    more = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=6"])
+    resumed = Driver(more, RunDir(run.path), resume=True).run()
+    assert resumed["status"] == "completed"
+    assert resumed["groups"]["reconciled"]
 
 
 @pytest.mark.parametrize("method", ["gloo", "ipc"])

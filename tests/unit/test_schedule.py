@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from staleflow.cluster.schedule import idle_workers_warning, lag, rollout_version
@@ -72,3 +74,42 @@ def test_lockstep_workers_beyond_a_batch_are_said_to_stay_idle():
         "model: {preset: tiny}\nrollout: {prompts_per_batch: 4}\nsync: {mode: async}\n"
     )
     assert idle_workers_warning(async_cfg, 10) is None
+
+
+def test_a_checkpoint_no_resume_could_use_is_not_made_with_a_broadcast_sync(caplog):
+    # gloo/nccl keep no copy of older weights: at step 3 of I = 2, batch 4 still needs v2.
+    # Such a checkpoint was made, acked its groups, and then every resume was refused.
+    from types import SimpleNamespace
+
+    from staleflow.cluster.ledger import Counts
+    from staleflow.cluster.resume import CheckpointMixin
+    from staleflow.cluster.schedule import Flow, Schedule
+
+    saved = []
+
+    class Learner:
+        def save(self, path, extra):
+            saved.append(extra["step"])
+            raise StopIteration  # the rest of a checkpoint is not this test's
+
+    def driver(method: str, batches: int):
+        cfg = parse_config(
+            "model: {preset: tiny}\nrollout: {prompts_per_batch: 2}\nsync: {mode: lockstep}",
+            [f"sync.method={method}", "sync.interval=2", "sync.offset=0"],
+        )
+        flow = Flow(steps=3, batches=batches, published={0, 2}, latest=2)
+        return SimpleNamespace(
+            cfg=cfg, schedule=Schedule(cfg), flow=flow, step=3, learner=Learner(),
+            sync=SimpleNamespace(broadcasts=method in ("gloo", "nccl")),
+            counts=Counts(), P=2, faults=[], run_id="r",
+            prompts=SimpleNamespace(taken=6, digest=""),
+            rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
+        )  # fmt: skip
+
+    CheckpointMixin._checkpoint(driver("gloo", batches=3))  # batch 4 (v2) not made yet
+    assert saved == []
+    assert "no checkpoint at step 3: batches still to run need weights v[2]" in caplog.text
+    for method, batches, final in (("gloo", 4, False), ("gloo", 3, True), ("ray", 3, False)):
+        with pytest.raises(StopIteration):  # made: batch 4 done, the run's last, or kept
+            CheckpointMixin._checkpoint(driver(method, batches), final=final)
+    assert saved == [3, 3, 3]
