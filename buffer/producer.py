@@ -99,6 +99,28 @@ class Producer:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.25)
 
+    @translate_errors
+    def refresh_dedup(self) -> int:
+        """Set the dedup key of every group still in the stream again, for a full TTL; how
+        many. A run resumed more than the TTL after its pushes redoes batches whose groups
+        are still here (pending, or never read): they must not be taken as new. Reads the
+        stream in chunks, payloads too (XRANGE has no field filter): once, at a resume."""
+        start, count = "-", 0
+        while True:
+            entries = self.client.xrange(self.keys.stream, start, "+", count=64)
+            if not entries:
+                return count
+            pipe = self.client.pipeline(transaction=False)
+            for _, fields in entries:
+                gid = fields.get(b"gid")
+                if gid:  # a key still there keeps its push's token, with a new TTL
+                    key = self.keys.dedup(gid.decode())
+                    pipe.set(key, "resumed", ex=self.dedup_ttl_s, nx=True)
+                    pipe.expire(key, self.dedup_ttl_s)
+                    count += 1
+            pipe.execute()
+            start = "(" + entries[-1][0].decode()
+
     def _add(
         self, groups: Sequence[Group], entries: list[Fields], keys: list[str], token: str
     ) -> list[int] | None:

@@ -238,8 +238,12 @@ class ReplayBuffer:
     def recover(self) -> int:
         """After a learner restart: every entry delivered and not acked (to any consumer,
         this one included) is handed out again, oldest first, before anything new; replays
-        in flight become replayable. Returns how many entries were recovered."""
-        return self._consumer.recover()
+        in flight become replayable; the dedup keys of every group in the stream are set
+        again (a resume after `dedup_ttl_s` redoes batches whose groups are still here).
+        Returns how many entries were recovered."""
+        count = self._consumer.recover()
+        self._producer.refresh_dedup()
+        return count
 
     def check_reachable(self, who: str) -> None:
         """Ping the server now, so that a process that cannot reach it fails at start with a

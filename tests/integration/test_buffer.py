@@ -364,6 +364,26 @@ def test_a_redone_batch_with_the_same_group_ids_pushes_nothing_twice(redis_url):
     assert (stats.pushed, stats.duplicates, stats.length) == (3, 2, 3)
 
 
+def test_a_resume_after_the_dedup_keys_expired_still_pushes_nothing_twice(redis_url):
+    # A resume redoes the batches running at its checkpoint, with the same group ids; what
+    # they pushed before the stop is still in the stream. Resumed after dedup_ttl_s (24 h:
+    # a crash on Friday night), the keys were gone and those groups were added again.
+    from staleflow.buffer.records import batch_group_id
+
+    ids = [batch_group_id("run", 7, i) for i in range(3)]
+    first = [dataclasses.replace(group(prompt=str(i)), group_id=g) for i, g in enumerate(ids)]
+    before = ReplayBuffer(redis_url, "run", dedup_ttl_s=1, read_ahead=False)
+    assert before.push_many(first[:2]) == [True, True]
+    assert [g.group_id for g in before.take(1, learner_version=0).groups] == ids[:1]  # pending
+    time.sleep(1.5)  # both dedup keys expire (the second group was never read)
+    resumed = ReplayBuffer(redis_url, "run")
+    assert resumed.recover() == 1
+    redone = [dataclasses.replace(group(prompt=str(i)), group_id=g) for i, g in enumerate(ids)]
+    assert resumed.push_many(redone) == [False, False, True]
+    stats = resumed.stats()
+    assert (stats.pushed, stats.duplicates, stats.length) == (3, 2, 3)
+
+
 def test_a_push_whose_reply_was_lost_is_sent_again_and_added_once(redis_url, monkeypatch):
     # The transaction runs on the server, then the connection drops before its reply (a
     # failure injected after the real call): the retry finds its own token and keeps nothing.
