@@ -12,7 +12,7 @@ import redis
 from staleflow.buffer import scripts
 from staleflow.buffer.codec import encode_fields
 from staleflow.buffer.connection import Pinned, translate_errors
-from staleflow.buffer.entries import BufferFullError, Fields, RunKeys, Tokens, nbytes
+from staleflow.buffer.entries import BufferFullError, Fields, RunKeys, Tokens, nbytes, text
 from staleflow.buffer.inflight import InFlight, after_lost_reply
 from staleflow.buffer.records import Group
 
@@ -107,19 +107,19 @@ class Producer:
         stream in chunks, payloads too (XRANGE has no field filter): once, at a resume."""
         start, count = "-", 0
         while True:
-            entries = self.client.xrange(self.keys.stream, start, "+", count=64)
+            entries = self.client.xrange(self.keys.stream, start, "+", count=64) or []
             if not entries:
                 return count
             pipe = self.client.pipeline(transaction=False)
             for _, fields in entries:
-                gid = fields.get(b"gid")
+                gid = (fields or {}).get(b"gid")
                 if gid:  # a key still there keeps its push's token, with a new TTL
-                    key = self.keys.dedup(gid.decode())
+                    key = self.keys.dedup(text(gid))
                     pipe.set(key, "resumed", ex=self.dedup_ttl_s, nx=True)
                     pipe.expire(key, self.dedup_ttl_s)
                     count += 1
             pipe.execute()
-            start = "(" + entries[-1][0].decode()
+            start = "(" + text(entries[-1][0])
 
     def _add(
         self, groups: Sequence[Group], entries: list[Fields], keys: list[str], token: str
