@@ -124,6 +124,9 @@ def check_prompt_lengths(cfg: Any, prompts: list[Any], chat_template: bool, wher
     worker checks each prompt as it samples it."""
     from transformers import AutoConfig, AutoTokenizer
 
+    vllm = cfg.rollout.engine == "vllm"
+    if not prompts or (vllm and cfg.rollout.vllm.max_model_len is None):
+        return  # nothing to check here: no tokenizer loaded, no preset converted
     if cfg.model.preset == "tiny":
         tokenizer, context = tiny_tokenizer(), TINY_CONTEXT
     else:
@@ -135,9 +138,9 @@ def check_prompt_lengths(cfg: Any, prompts: list[Any], chat_template: bool, wher
             raise ModelError(
                 f"cannot load the tokenizer in {path}: {type(exc).__name__}: {exc}"
             ) from exc
-    if cfg.rollout.engine == "vllm":
+    if vllm:
         context = cfg.rollout.vllm.max_model_len
-    if context is None or not prompts:
+    if context is None:
         return
     new = cfg.rollout.max_new_tokens
     lengths = [len(ids) for ids in prompt_ids(tokenizer, [p.text for p in prompts], chat_template)]

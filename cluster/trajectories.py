@@ -91,10 +91,12 @@ class TrajectoryLog:
         self._steps = open(path, "a", encoding="utf-8")  # noqa: SIM115
         # a record torn by the crash is cut off: appended after, the next would be misread
         self._groups.close()
-        groups = self.dir / "groups.bin"
-        os.truncate(groups, _whole_records_end(groups))
+        groups, whole, self._stored = self.dir / "groups.bin", 0, set()
+        for end, data in _records(groups):
+            whole = end
+            self._stored.add(decode(data).group_id)
+        os.truncate(groups, whole)
         self._groups = open(groups, "ab")  # noqa: SIM115
-        self._stored = {g.group_id for g in _read_groups(groups)}
 
     def close(self) -> None:
         self._groups.close()
@@ -122,30 +124,23 @@ def read_trajectories(
     return steps, groups
 
 
-def _whole_records_end(path: Path) -> int:
-    """The offset where the last whole record of groups.bin ends (its size if none is torn)."""
+def _records(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Each whole record of groups.bin, with the offset where it ends; stops at a record
+    torn by a crash mid-write."""
     end = 0
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        while (header := f.read(_LEN.size)) and len(header) == _LEN.size:
-            (n,) = _LEN.unpack(header)
-            if end + _LEN.size + n > size:
-                break
-            end += _LEN.size + n
-            f.seek(end)
-    return end
-
-
-def _read_groups(path: Path) -> Iterator[Group]:
-    with open(path, "rb") as f:
-        while header := f.read(_LEN.size):
-            if len(header) < _LEN.size:
-                return
+        while len(header := f.read(_LEN.size)) == _LEN.size:
             (n,) = _LEN.unpack(header)
             data = f.read(n)
             if len(data) < n:
                 return
-            yield decode(data)
+            end += _LEN.size + n
+            yield end, data
+
+
+def _read_groups(path: Path) -> Iterator[Group]:
+    for _, data in _records(path):
+        yield decode(data)
 
 
 def _single_rank_environment() -> None:
