@@ -254,27 +254,38 @@ class Learner:
         # Every rank builds the same batch: the whole batch's denominator is known locally.
         denominator = loss_denominator(batch.response_mask, mode)
         scale = 1.0
+        size = self.cfg.learner.micro_batch_size
+        parts: list[slice | None]
         if self.world_size > 1:
-            batch = batch.rows(_token_balanced_shard(batch, self.rank, self.world_size))
+            shards = _token_balanced_shards(batch, self.world_size)
+            # Every rank must run as many forward/backward passes as the others: ZeRO 2
+            # reduces gradients after each backward and ZeRO 3 gathers parameters in each
+            # forward, so a rank with one micro-batch more would wait forever for the rest.
+            # A rank short of sequences (or with none) runs a stand-in with zero loss.
+            count = max(math.ceil(len(s) / size) if size else 1 for s in shards)
+            own = shards[self.rank]
+            stand_in = batch.rows(slice(0, 1))
+            batch = batch.rows(torch.tensor(own, dtype=torch.long, device=batch.input_ids.device))
+            parts = list(_split(len(own), count)) if own else []
+            parts += [None] * (count - len(parts))
             scale = float(self.world_size)  # DeepSpeed averages gradients over ranks
-        if batch.num_sequences == 0:  # fewer sequences than ranks: still join the all-reduce
-            self.engine.set_gradient_accumulation_boundary(True)
-            self.engine.backward(sum(p.sum() * 0.0 for p in self.engine.module.parameters()))
-            self.engine.step()
-            self.optimizer_steps += 1
-            return 0.0, float("nan")
-        size = self.cfg.learner.micro_batch_size or batch.num_sequences
-        parts = _split(batch.num_sequences, math.ceil(batch.num_sequences / size))
+        else:
+            rows = batch.num_sequences
+            parts = list(_split(rows, math.ceil(rows / size) if size else 1))
         total = 0.0
         for i, part in enumerate(parts):
-            micro = batch.rows(part)
+            micro = stand_in if part is None else batch.rows(part)
             t0 = time.perf_counter()
             logp, out = self._loss(micro, denominator)
             t1 = time.perf_counter()
             self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
-            self.engine.backward(out.loss * scale)
+            # A stand-in's loss times zero: its passes (and their collectives) run, and its
+            # gradient adds nothing.
+            self.engine.backward(out.loss * (0.0 if part is None else scale))
             timing["forward_s"] += t1 - t0
             timing["backward_s"] += time.perf_counter() - t1
+            if part is None:
+                continue
             total += float(out.loss.detach())
             n = float(out.metrics["num_tokens"])
             sums["_tokens"] = sums.get("_tokens", 0.0) + n
@@ -381,18 +392,17 @@ class Learner:
             return host_arrays(tensors, copy=True)
 
 
-def _token_balanced_shard(batch: TrainBatch, rank: int, world_size: int) -> Tensor:
-    """This rank's sequences: longest first, each to the rank with the fewest tokens so far
-    (deterministic, so every rank computes the same assignment)."""
+def _token_balanced_shards(batch: TrainBatch, world_size: int) -> list[list[int]]:
+    """Each rank's sequences: longest first, each to the rank with the fewest tokens so far
+    (deterministic, so every rank computes the same assignment, and every rank's size)."""
     lengths = batch.attention_mask.sum(dim=1).tolist()
     loads = [0] * world_size
-    owner = [0] * len(lengths)
+    shards: list[list[int]] = [[] for _ in range(world_size)]
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         r = min(range(world_size), key=lambda r: (loads[r], r))
-        owner[i] = r
+        shards[r].append(i)
         loads[r] += lengths[i]
-    index = [i for i, r in enumerate(owner) if r == rank]
-    return torch.tensor(index, dtype=torch.long, device=batch.input_ids.device)
+    return [sorted(s) for s in shards]
 
 
 def _all_reduce_sum(value: float, device: torch.device) -> float:

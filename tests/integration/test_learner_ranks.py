@@ -11,6 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from staleflow.buffer.ports import free_port
+from staleflow.buffer.records import Group, Response
 from staleflow.configs import parse_config
 
 from .test_learner import new_learner, sampled_groups
@@ -134,3 +135,84 @@ def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage)
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["version"] == 2
         assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6, abs=1e-9)
+
+
+def _group(name: str, prompt_len: int, response_lens: list[int]) -> Group:
+    """A group with chosen lengths (token ids and behaviour log-probs made up, rewards
+    1, 0, 1, ...), to control how sequences fall on the ranks."""
+    rng = np.random.default_rng(len(name) + prompt_len)
+    return Group.new(
+        run_id="t", prompt_id=name, task="t", worker_id="w", policy_version=0,
+        prompt_token_ids=rng.integers(3, 300, prompt_len).tolist(),
+        responses=[
+            Response(rng.integers(3, 300, n).tolist(), [-2.0] * n, float(j % 2 == 0), "stop")
+            for j, n in enumerate(response_lens)
+        ],
+    )  # fmt: skip
+
+
+# Token balancing puts the 100-token sequence alone on rank 0 and the five 11-token ones on
+# rank 1: at one sequence per micro-batch, 1 pass against 5.
+UNEVEN = [_group("long", 10, [90, 1]), _group("a", 10, [1, 1]), _group("b", 10, [1, 1])]
+# One sequence for two ranks: rank 1 has none. A lone response has advantage 0, so only the
+# entropy term moves the weights (with a gradient over the clip, to check both ranks clip).
+LONE = [_group("lone", 6, [5])]
+
+
+def _uneven_rank(rank: int, port: int, cfg_text: str, groups: list, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    from staleflow.actors.models import tiny_model
+    from staleflow.learner.learner import Learner
+
+    model, tokenizer = tiny_model(0)
+    learner = Learner(
+        parse_config(cfg_text), model=model, tokenizer=tokenizer, rank=rank, world_size=2
+    )
+    metrics = learner.step(groups)
+    np.savez(f"{out_dir}/weights{rank}.npz", **learner.state_dict_for_sync())  # gathers at ZeRO 3
+    with open(f"{out_dir}/metrics{rank}.json", "w") as f:
+        json.dump(metrics, f)
+    _leave()
+
+
+@pytest.mark.parametrize(
+    ("stage", "case"), [(0, "lone"), (2, "uneven"), (3, "uneven"), (3, "lone")]
+)
+def test_ranks_with_unequal_shards_make_the_same_update_as_one(tmp_path, stage, case):
+    groups, extra = (UNEVEN, "") if case == "uneven" else (LONE, "entropy_coef: 0.5, ")
+    cfg_text = (
+        CFG.replace("micro_batch_size: 3", "micro_batch_size: 1")
+        .replace("grad_clip: 1.0", "grad_clip: 1.0e-3")
+        .replace("loss: {", "loss: {" + extra)
+    )
+    single = new_learner(parse_config(cfg_text))
+    expected = single.step(groups)
+    assert expected["grad_norm"] > 1.0e-3  # clipping changes the update
+    sharded = cfg_text.replace("learner: {", f"learner: {{zero_stage: {stage}, ")
+    port = free_port("127.0.0.1")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_uneven_rank, args=(r, port, sharded, groups, str(tmp_path)))
+        for r in (0, 1)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)  # a rank waiting in a collective for its peer would hang here
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    reference = single.state_dict_for_sync()
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"metrics{rank}.json").read_text())
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-9)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+        weights = np.load(tmp_path / f"weights{rank}.npz")
+        for name, array in reference.items():
+            np.testing.assert_allclose(
+                weights[name], array, rtol=1e-5, atol=1e-7, err_msg=f"rank {rank}: {name}"
+            )
