@@ -81,7 +81,8 @@ class Consumer:
         self._held: set[str] = set()
         self._last_claim = 0.0
         self._group_ready = False
-        # A read-ahead whose reply was lost: its entries are pending under this consumer.
+        # A read (the take's own or a read-ahead) whose reply was lost: its entries are pending
+        # under this consumer, in no pool; the next refill reads them again (`_reread_own`).
         self._lost_read = False
 
     # ------------------------------------------------------------------------- take
@@ -241,10 +242,9 @@ class Consumer:
         return [*self._ack_keys, self.keys.ack_status(args[3])]
 
     def _ack_eval(self, args: list[Any]) -> tuple[Any, ...]:
-        """EVAL's arguments for scripts.ACK, sent along with a read (by `_refill`'s
-        pipeline or `_send_ahead`) or after a NOSCRIPT. EVAL, not the registered script: a
-        pipeline would first check that the script exists, and a NOSCRIPT to a command sent
-        ahead could not be answered."""
+        """EVAL's arguments for scripts.ACK, sent along with a read (by `_refill` or
+        `_send_ahead`) or after a NOSCRIPT. EVAL, not EVALSHA: a NOSCRIPT reply to a
+        command sent along with a read could not be answered by sending the body first."""
         keys = self._ack_keys_for(args)
         return (scripts.ACK, len(keys), *keys, *args)
 
@@ -316,7 +316,9 @@ class Consumer:
     ) -> tuple[int, Any]:
         """Read new entries into the pool: what fifo needs, or everything for freshest.
         Blocks (until the deadline, 5 s at most per call) only if the pool cannot cover
-        `need`. With `ack_args`, scripts.ACK runs first, in the same round trip. Returns
+        `need`. With `ack_args`, scripts.ACK runs first, in the same round trip (on the
+        read-ahead's connection, without redis-py's retries: a reply lost with its
+        connection is recovered here, not sent again blind). Returns
         (entries read, the ack's result, or None if nothing was sent: the pool covers
         `need`, and the ack waits for the next send)."""
         if self._lost_read:
@@ -325,17 +327,32 @@ class Consumer:
         if want <= 0:
             return 0, None
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
-        block = min(remaining_ms, 5000) if len(self._pool) < need else None
-        pipe = self.client.pipeline(transaction=False)
+        block = min(remaining_ms, 5000) if len(self._pool) < need else 0
+        commands: list[tuple[Any, ...]] = []
         if ack_args:
-            pipe.eval(*self._ack_eval(ack_args))
-        pipe.xreadgroup(
-            GROUP_NAME, self.name, {self.keys.stream: ">"}, count=want, block=block or None
-        )
-        *ack_result, reply = pipe.execute(raise_on_error=False)
-        if ack_result and isinstance(ack_result[0], Exception):
-            raise ack_result[0]
-        return self._pool_read(reply), ack_result[0] if ack_result else None
+            commands.append(("EVAL", *self._ack_eval(ack_args)))
+        commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.name, "COUNT", want,
+                         *(("BLOCK", block) if block else ()),
+                         "STREAMS", self.keys.stream, ">"))  # fmt: skip
+        try:
+            replies = InFlight.send(self._lane, commands).replies()
+        except BaseException:  # unparseable: whatever the read delivered is found again
+            self._lost_read = True
+            raise
+        if replies is None:
+            # The connection dropped: the ack is sent again (it is idempotent), and what the
+            # read delivered is pending under this consumer: read it again from there now,
+            # not after claim_idle_s.
+            self._lost_read = True
+            ack_result = self._run_ack(ack_args) if ack_args else None
+            before = len(self._pool)
+            self._reread_own()
+            return len(self._pool) - before, ack_result
+        ack_result = replies[0] if ack_args else None
+        read = self._pool_read(replies[-1])  # before raising an ack error: nothing is lost
+        if isinstance(ack_result, Exception):
+            raise ack_result
+        return read, ack_result
 
     def _pool_read(self, reply: Any) -> int:
         """Put the entries of an XREADGROUP reply into the pool; how many there were."""

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from staleflow.buffer.connection import BufferConnectionError
+from staleflow.buffer.consumer import Consumer
 from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.records import Group, Response
 from staleflow.buffer.replay import BufferFullError, ReplayBuffer
@@ -623,9 +624,10 @@ def test_take_acks_the_previous_batch_in_the_same_call(redis_url):
     assert (stats.acked, stats.length, stats.pending) == (5, 0, 0)
 
 
-def _drop_the_read_ahead_reply(monkeypatch, times: int = 1) -> list[int]:
-    """The next `times` read-aheads reach the server, which runs them (the sleep), and then
-    their connection closes before the replies are read: the process never sees them."""
+def _drop_replies(monkeypatch, times: int = 1) -> list[int]:
+    """The next `times` calls sent ahead (InFlight: a push, an ack, a take's read) reach the
+    server, which runs them (the sleep), and then their connection closes before the
+    replies are read: the process never sees them. Returns the dropped calls' sizes."""
     real_send = InFlight.send.__func__
     dropped: list[int] = []
 
@@ -639,6 +641,48 @@ def _drop_the_read_ahead_reply(monkeypatch, times: int = 1) -> list[int]:
 
     monkeypatch.setattr(InFlight, "send", classmethod(send_then_drop))
     return dropped
+
+
+def _drop_the_read_ahead_reply(monkeypatch, times: int = 1) -> list[int]:
+    """As `_drop_replies`, for the read-ahead (the read a take sends for the next one) only."""
+    real_send_ahead = Consumer._send_ahead
+    dropped: list[int] = []
+
+    def send_then_drop(self, n, ack_args):
+        call = real_send_ahead(self, n, ack_args)
+        if call is not None and len(dropped) < times and call._conn is not None:
+            time.sleep(0.2)
+            call._conn.disconnect()
+            dropped.append(len(call.commands))
+        return call
+
+    monkeypatch.setattr(Consumer, "_send_ahead", send_then_drop)
+    return dropped
+
+
+def test_a_lost_reply_to_a_plain_read_is_read_again_at_once_and_its_ack_counted_once(
+    redis_url, monkeypatch
+):
+    # Without read-ahead every take reads (and acks) in one round trip; a reply lost with its
+    # connection used to leave what it delivered pending under this consumer, in no pool,
+    # until claim_idle_s (here 600 s) had passed.
+    buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600, read_ahead=False)
+    buffer.push_many([group(prompt=str(i)) for i in range(6)])
+    dropped = _drop_replies(monkeypatch)
+    first = buffer.take(2, 0)  # the read of 0, 1 ran; its reply is lost
+    assert dropped == [1]
+    assert [g.prompt_id for g in first.groups] == ["0", "1"]
+    dropped = _drop_replies(monkeypatch)
+    second = buffer.take(2, 0, ack=first.receipts)  # the ack of 0, 1 and the read of 2, 3
+    assert dropped == [2]
+    assert [g.prompt_id for g in second.groups] == ["2", "3"]
+    assert second.acked == 2  # the ack ran, and sent again it changes nothing
+    assert buffer.stats().acked == 2
+    third = buffer.take(2, 0, ack=second.receipts)
+    assert [g.prompt_id for g in third.groups] == ["4", "5"]
+    assert buffer.take(2, 0, ack=third.receipts).groups == []
+    stats = buffer.stats()
+    assert (stats.acked, stats.length, stats.pending, stats.undelivered) == (6, 0, 0, 0)
 
 
 def test_a_lost_read_ahead_is_read_again_at_once_not_after_claim_idle(redis_url, monkeypatch):
@@ -717,11 +761,14 @@ def test_a_take_that_fails_after_decoding_hands_nothing_out_and_loses_nothing(
 ):
     buffer = ReplayBuffer(redis_url, "run", claim_idle_s=600)
     buffer.push_many([group(prompt=str(i)) for i in range(4)])
-    real = InFlight.replies
+    real, calls = InFlight.replies, []
 
     def unreadable(self):
-        real(self)  # the replies arrive, then cannot be understood
-        raise redis.InvalidResponse("injected: garbled reply")
+        calls.append(self.commands)
+        replies = real(self)  # the replies arrive; the read-ahead's cannot be understood
+        if len(calls) == 2:  # (the first is the take's own read)
+            raise redis.InvalidResponse("injected: garbled reply")
+        return replies
 
     monkeypatch.setattr(InFlight, "replies", unreadable)
     with pytest.raises(BufferConnectionError, match="not in the Redis protocol"):
