@@ -124,6 +124,11 @@ class BufferStats:
     pushed_by_version: dict[int, int] = field(default_factory=dict)
     trained_by_version: dict[int, int] = field(default_factory=dict)
     held: int = 0  # pending, trained, acked at the next checkpoint (not counted in capacity)
+    # With replay sampling: replays (trained before) handed out and not acked (in `pending`),
+    # and replays dropped (in `dropped_stale` / `dropped_invalid`).
+    replays_pending: int = 0
+    replays_dropped_stale: int = 0
+    replays_dropped_invalid: int = 0
 
 
 def parse_fields(fields: dict[bytes, bytes]) -> tuple[int, dict[bytes, bytes]]:

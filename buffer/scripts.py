@@ -173,14 +173,16 @@ return acked
 
 # KEYS: stream, stats, uses, replay zset, replay-pending hash, invalid stream.
 # ARGV: group name, reason ('stale' | 'invalid'), then (entry id, is_replay, error) triples.
-# Invalid entries are copied to the invalid stream first: dropped, never lost.
+# Invalid entries are copied to the invalid stream first: dropped, never lost. Replays (groups
+# already trained) are also counted apart, so that pushed groups still reconcile.
 DROP = (
     _RELEASE
     + """
-local n = 0
+local n, replays = 0, 0
 for i = 3, #ARGV, 3 do
   local id, rep, err = ARGV[i], ARGV[i + 1], ARGV[i + 2]
   if release(id, rep) == 1 then
+    if rep == '1' then replays = replays + 1 end
     if ARGV[2] == 'invalid' then
       local entry = redis.call('XRANGE', KEYS[1], id, id)
       if entry[1] then
@@ -194,6 +196,7 @@ for i = 3, #ARGV, 3 do
   end
 end
 redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[2], n)
+if replays > 0 then redis.call('HINCRBY', KEYS[2], 'replays_dropped_' .. ARGV[2], replays) end
 return n
 """
 )

@@ -422,6 +422,11 @@ def _print_summary(run: Any, summary: dict[str, Any]) -> None:
             f"groups: pushed {groups['pushed']} = trained {groups['trained']} + stale "
             f"{groups['dropped_stale']} + invalid {groups['dropped_invalid']} + left "
             f"{groups['left_in_buffer']} ({'reconciled' if groups['reconciled'] else 'MISMATCH'})"
+            + (
+                f"; replays dropped {groups['replays_dropped']}"
+                if groups.get("replays_dropped")
+                else ""
+            )
         )
     lines.append(f"report: {run.report}")
     if summary.get("resume"):

@@ -63,20 +63,28 @@ class Timeline:
 
 
 def reconcile(stats: Any, c: Counts, flow: Any, elapsed: float) -> dict[str, Any]:
-    """pushed = trained + dropped (stale, invalid) + left in the buffer, by both counts."""
-    left = stats.undelivered + stats.pending
+    """pushed = trained + dropped (stale, invalid) + left in the buffer, by both counts.
+
+    Each pushed group counts once: `trained` counts groups trained at least once (replays
+    are in `trainings`), the drops count groups dropped before any training, and `left`
+    groups not trained yet. With replay sampling a replay (trained before) that is dropped
+    or handed out counts as trained, and in `replays_dropped`."""
+    left = stats.undelivered + stats.pending - stats.replays_pending
     first_trainings = stats.acked - stats.reused
+    stale = stats.dropped_stale - stats.replays_dropped_stale
+    invalid = stats.dropped_invalid - stats.replays_dropped_invalid
     return {
         "groups": {
             "pushed": stats.pushed,
             "trained": first_trainings,
             "trainings": stats.acked,
-            "dropped_stale": stats.dropped_stale,
-            "dropped_invalid": stats.dropped_invalid,
+            "dropped_stale": stale,
+            "dropped_invalid": invalid,
             "left_in_buffer": left,
+            "replays_dropped": stats.replays_dropped_stale + stats.replays_dropped_invalid,
             "duplicates": stats.duplicates,
-            "reconciled": stats.pushed
-            == first_trainings + stats.dropped_stale + stats.dropped_invalid + left
+            "reconciled": stats.pushed == first_trainings + stale + invalid + left
+            # the learner's reports count every drop, replays too
             and c.trained == stats.acked
             and c.dropped_stale == stats.dropped_stale
             and c.dropped_invalid == stats.dropped_invalid,
