@@ -220,6 +220,8 @@ class Learner:
                     loss = _all_reduce_sum(loss, self.device)  # each rank held its shard's share
                 losses.append(loss)
                 grad_norms.append(norm)
+        if self.world_size > 1:  # each rank summed over its shard: the batch's are the totals
+            sums, extrema = _all_reduce_metrics(sums, extrema, self.device)
         self.version += 1
         elapsed = time.perf_counter() - start
         tokens = int(batch.response_mask.sum())
@@ -295,14 +297,7 @@ class Learner:
             if entropy is None:
                 entropy = -aggregate(logp.detach(), micro.response_mask, "token-mean")
             sums["entropy"] = sums.get("entropy", 0.0) + float(entropy) * n
-            for key in (
-                "clip_frac",
-                "ratio_mean",
-                "approx_kl",
-                "adv_mean",
-                "regularizer",
-                "kl_ref",
-            ):
+            for key in _TOKEN_AVERAGED:
                 if key in out.metrics:
                     sums[key] = sums.get(key, 0.0) + float(out.metrics[key]) * n
             if n > 0:
@@ -403,6 +398,32 @@ def _token_balanced_shards(batch: TrainBatch, world_size: int) -> list[list[int]
         shards[r].append(i)
         loads[r] += lengths[i]
     return [sorted(s) for s in shards]
+
+
+# Loss metrics reported as token-weighted means over the batch (besides the entropy).
+_TOKEN_AVERAGED = ("clip_frac", "ratio_mean", "approx_kl", "adv_mean", "regularizer", "kl_ref")
+
+
+def _all_reduce_metrics(
+    sums: dict[str, float], extrema: dict[str, float], device: torch.device
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Every rank's token-weighted sums added up and the ratio's extremes over all ranks: the
+    metrics of the whole batch, not of rank 0's shard. (A key no rank has stays absent: a
+    rank that ran only stand-ins has none.)"""
+    import deepspeed
+    from deepspeed.comm import ReduceOp
+
+    keys = ("_tokens", "entropy", *_TOKEN_AVERAGED)
+    values = [sums.get(k, 0.0) for k in keys] + [float(k in sums) for k in keys]
+    summed = torch.tensor(values, dtype=torch.float64, device=device)
+    deepspeed.comm.all_reduce(summed)
+    totals = summed.tolist()
+    out = {k: totals[i] for i, k in enumerate(keys) if totals[len(keys) + i] > 0}
+    low, high = extrema.get("ratio_min", math.inf), extrema.get("ratio_max", -math.inf)
+    bounds = torch.tensor([low, -high], dtype=torch.float64, device=device)
+    deepspeed.comm.all_reduce(bounds, op=ReduceOp.MIN)
+    low, high = bounds[0].item(), -bounds[1].item()
+    return out, ({"ratio_min": low, "ratio_max": high} if math.isfinite(low) else {})
 
 
 def _all_reduce_sum(value: float, device: torch.device) -> float:

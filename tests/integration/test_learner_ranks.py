@@ -211,6 +211,9 @@ def test_ranks_with_unequal_shards_make_the_same_update_as_one(tmp_path, stage, 
         got = json.loads((tmp_path / f"metrics{rank}.json").read_text())
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-9)
         assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+        # the batch's metrics, every rank's shard in them (not rank 0's shard alone)
+        for key in ("entropy", "clip_frac", "ratio_mean", "approx_kl", "ratio_min", "ratio_max"):
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-9), key
         weights = np.load(tmp_path / f"weights{rank}.npz")
         for name, array in reference.items():
             np.testing.assert_allclose(
