@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -386,6 +387,9 @@ def check_resumable(run: RunDir, cfg: Any) -> None:
             ) from None
         _check_prompts_per_batch(P, cfg)
         _check_same_config(run, path, trainer.get("config"), cfg)
+        moved = lr_horizon_warning(trainer.get("config"), cfg, done)
+        if moved:
+            logger.warning("%s", moved)
     acked_at = [int(r.get("step", 0)) for r in read_metrics(run.metrics)
                 if r.get("kind") == "checkpoint" and r.get("acked", 1)]  # fmt: skip
     if acked_at and max(acked_at) > done:
@@ -431,6 +435,32 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
                 f"put it back in config.json, or start a new run (a resume may set: "
                 f"{', '.join(_RESUMABLE)})"
             )
+
+
+def lr_horizon_warning(saved: Any, cfg: Any, done: int) -> str | None:
+    """What a resume that changes run.steps does to a warmup_cosine learning rate (its decay
+    spans run.steps, so the rest of the run follows the new length), or None if the next
+    step's rate stays as it was. `saved` is the checkpoint's config, `done` its steps."""
+    from types import SimpleNamespace
+
+    from staleflow.learner.lr import lr_factor
+
+    try:
+        old_steps = int(saved["run"]["steps"])
+    except (KeyError, TypeError, ValueError):
+        return None  # an older checkpoint without its config
+    step = done * cfg.learner.mini_batches * cfg.learner.epochs  # the next optimizer step
+    old = SimpleNamespace(run=SimpleNamespace(steps=old_steps), learner=cfg.learner)
+    before, after = lr_factor(old)(step), lr_factor(cfg)(step)
+    if math.isclose(before, after, rel_tol=1e-9, abs_tol=1e-12):
+        return None
+    lr = cfg.learner.optimizer.lr
+    return (
+        f"run.steps is {cfg.run.steps}, the checkpoint's run had {old_steps}: "
+        f"learner.optimizer.schedule=warmup_cosine decays over run.steps, so step {done + 1} "
+        f"trains at lr {lr * after:.3g}, not {lr * before:.3g}, and the decay now ends at "
+        f"step {cfg.run.steps}"
+    )
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -36,6 +36,7 @@ from staleflow.buffer.records import Group
 from staleflow.learner.batch import TrainBatch, build_batch
 from staleflow.learner.device import role_device
 from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
+from staleflow.learner.lr import lr_factor
 from staleflow.learner.sync_group import gloo_on_node_interface
 
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
@@ -168,7 +169,7 @@ class Learner:
             eps=opt.eps,
             weight_decay=opt.weight_decay,
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(cfg)
         )
@@ -453,20 +454,3 @@ def _ds_config(cfg: Any) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "zero_allow_untested_optimizer": True,
     }
-
-
-def _lr_lambda(cfg: Any) -> Any:
-    # The schedule counts optimizer steps: `mini_batches` per epoch, `epochs` per batch.
-    opt = cfg.learner.optimizer
-    total = int(cfg.run.steps) * cfg.learner.mini_batches * cfg.learner.epochs
-    warmup, floor = int(opt.warmup_steps), float(opt.min_lr_ratio)
-
-    def factor(step: int) -> float:
-        if opt.schedule == "constant":
-            return 1.0
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor

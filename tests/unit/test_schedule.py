@@ -113,3 +113,30 @@ def test_a_checkpoint_no_resume_could_use_is_not_made_with_a_broadcast_sync(capl
         with pytest.raises(StopIteration):  # made: batch 4 done, the run's last, or kept
             CheckpointMixin._checkpoint(driver(method, batches), final=final)
     assert saved == [3, 3, 3]
+
+
+def test_the_learning_rate_schedule_and_what_lengthening_a_run_does_to_it():
+    from staleflow.cluster.resume import lr_horizon_warning
+    from staleflow.learner.lr import lr_factor
+
+    cfg = parse_config(
+        "model: {preset: tiny}\nrun: {steps: 20}\n"
+        "learner: {optimizer: {lr: 1.0e-6, schedule: warmup_cosine, warmup_steps: 2}}\n"
+    )
+    f = lr_factor(cfg)
+    # warmup: (step + 1) / 2 -> 0.5, 1.0; then 0.5 (1 + cos(pi (step - 2) / 18))
+    assert [f(0), f(1), f(2)] == [0.5, 1.0, 1.0]
+    assert f(11) == pytest.approx(0.5)  # halfway: cos(pi / 2) = 0
+    assert f(20) == pytest.approx(0.0)  # the end (min_lr_ratio 0), and after it
+    # The checkpoint's run had 11 steps and trained them all; resumed with run.steps 20, the
+    # next optimizer step is 11: at 11 steps it was at the end (0.5 (1 + cos(pi 9/9)) = 0),
+    # over 20 it is halfway (0.5): step 12 trains at 0.5 x 1e-6, not 0.
+    saved = {"run": {"steps": 11}}
+    message = lr_horizon_warning(saved, cfg, done=11)
+    assert message is not None
+    assert "step 12 trains at lr 5e-07, not 0," in message
+    assert "decay now ends at step 20" in message
+    assert lr_horizon_warning({"run": {"steps": 20}}, cfg, done=11) is None  # unchanged
+    constant = parse_config("model: {preset: tiny}\nrun: {steps: 20}\n")
+    assert lr_horizon_warning(saved, constant, done=11) is None  # nothing decays
+    assert lr_horizon_warning({}, cfg, done=11) is None  # an older checkpoint: no config
