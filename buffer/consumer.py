@@ -71,6 +71,7 @@ class Consumer:
         self._ack_tokens = Tokens()  # an ack's token names its status key (scripts.ACK)
         self._ack = client.register_script(scripts.ACK)
         self._drop = client.register_script(scripts.DROP)
+        self._hold = client.register_script(scripts.HOLD)
         self._replay_take = client.register_script(scripts.REPLAY_TAKE)
         self._replay_reclaim = client.register_script(scripts.REPLAY_RECLAIM)
         # Entries delivered to this consumer but not yet handed out: entry id -> (version,
@@ -207,8 +208,9 @@ class Consumer:
     @translate_errors
     def hold(self, n: int) -> None:
         """See ReplayBuffer.hold."""
-        if n > 0:
-            self.client.hincrby(self.keys.stats, "held", n)
+        if n > 0:  # one token per hold: a retry after a lost reply counts nothing twice
+            status = self.keys.hold_status(next(self._ack_tokens))
+            self._hold(keys=[self.keys.stats, status], args=[n, scripts.STATUS_TTL_S])
 
     @translate_errors
     def recover(self) -> int:

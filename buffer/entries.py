@@ -60,6 +60,9 @@ class RunKeys:
     def ack_status(self, token: str) -> str:
         return self.prefix + "ack:" + token
 
+    def hold_status(self, token: str) -> str:
+        return self.prefix + "hold:" + token
+
 
 class Tokens:
     """Names for single calls (a push, an ack) that make a retried call recognisable: a

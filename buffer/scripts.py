@@ -171,6 +171,16 @@ return acked
 """
 )
 
+# KEYS: stats, this hold's status key.  ARGV: groups held, status ttl.
+# Counts `n` trained groups as held (out of the capacity until their ack). The status key makes
+# a resend (its reply was lost and the client retried) count nothing twice.
+HOLD = """
+if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[2]) then
+  redis.call('HINCRBY', KEYS[1], 'held', ARGV[1])
+end
+return 1
+"""
+
 # KEYS: stream, stats, uses, replay zset, replay-pending hash, invalid stream.
 # ARGV: group name, reason ('stale' | 'invalid'), then (entry id, is_replay, error) triples.
 # Invalid entries are copied to the invalid stream first: dropped, never lost. Replays (groups

@@ -180,6 +180,29 @@ def test_consumer_killed_before_ack_is_redelivered_once(redis_url):
     assert survivor.stats().acked == 5
 
 
+def test_a_hold_sent_again_after_a_lost_reply_counts_once(redis_url, monkeypatch):
+    # Held groups leave the capacity until their ack. A hold counted twice (redis-py resends
+    # a command whose reply was lost) would let producers overfill the buffer for good.
+    buffer = ReplayBuffer(redis_url, "run", capacity=4, push_timeout_s=0.2)
+    buffer.push_many([group(prompt=str(i)) for i in range(4)])
+    taken = buffer.take(2, 0)
+    real = buffer.client.execute_command
+
+    def sent_twice(*args, **kwargs):  # the server ran it, the reply was lost, it was resent
+        real(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(buffer.client, "execute_command", sent_twice)
+    buffer.hold(2)
+    monkeypatch.undo()
+    assert buffer.stats().held == 2
+    buffer.push_many([group(prompt="a"), group(prompt="b")])  # 6 stored - 2 held = 4: full
+    with pytest.raises(BufferFullError):
+        buffer.push(group(prompt="c"))
+    buffer.ack(taken.receipts, held=True)
+    assert buffer.stats().held == 0
+
+
 def test_groups_a_consumer_holds_are_never_handed_to_it_again(redis_url):
     # The learner holds groups past claim_idle_s (staged for a batch that is not complete,
     # prefetched during a step). Its own reclaim must not hand them out a second time.
