@@ -399,7 +399,9 @@ class LearnerConfig(Frozen):
         "possible. The ranks rendezvous on rank 0's node either way.",
     )
     reference_model: bool = Field(
-        False, description="Keep a frozen copy of the initial policy for loss.kl_coef."
+        False,
+        description="Keep a frozen copy of the initial policy for loss.kl_coef (a whole copy "
+        "on every learner rank, at ZeRO 3 too: no gradients or optimizer state).",
     )
 
     @field_validator("gpus_per_rank")

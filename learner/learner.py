@@ -157,6 +157,17 @@ class Learner:
         if tokenizer is None:
             raise ValueError("a learner given a model needs its tokenizer (for the pad id)")
         model = model.to(self.device)  # loaded or injected, the model lives on the learner's
+        # A frozen copy of the initial policy for the optional KL penalty (loss.kl_coef), taken
+        # before DeepSpeed wraps the model: at ZeRO 3 the wrapped module's parameters are
+        # partitions, whose copy cannot run a forward pass. So it is a whole copy on every
+        # rank (no gradients, no optimizer state), in the dtype DeepSpeed trains in.
+        self.reference = None
+        if cfg.learner.reference_model:
+            import copy
+
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if cfg.model.dtype == "bfloat16":
+                self.reference = self.reference.to(torch.bfloat16)
         self.cfg = cfg
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
         self.loss_fn = loss_from_config(cfg.learner.loss)
@@ -184,12 +195,6 @@ class Learner:
         # every gradient after each backward. (ZeRO 1-3 need that pass to fill partitions.)
         if cfg.learner.zero_stage == 0 and world_size == 1:
             self.engine.enable_backward_allreduce = False
-        # A frozen copy of the initial policy for the optional KL penalty (loss.kl_coef).
-        self.reference = None
-        if cfg.learner.reference_model:
-            import copy
-
-            self.reference = copy.deepcopy(self.engine.module).eval().requires_grad_(False)
 
     @property
     def model(self) -> Any:

@@ -206,6 +206,30 @@ def test_zero_stages_agree_with_stage_zero(stage):
         np.testing.assert_allclose(synced_a[name], synced_b[name], rtol=1e-5, atol=1e-7)
 
 
+def test_the_kl_penalty_s_reference_model_works_at_zero_3():
+    # The reference used to be copied from the DeepSpeed-wrapped module; at ZeRO 3 that copy
+    # holds parameter partitions and its forward pass failed ('Parameter' object has no
+    # attribute 'ds_status'). It must give the same steps as at ZeRO 0.
+    def cfg(zero: int) -> object:
+        return parse_config(
+            "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
+            f"learner: {{zero_stage: {zero}, reference_model: true, "
+            "optimizer: {lr: 1.0e-2, eps: 1.0, grad_clip: 1.0}, "
+            "loss: {name: reinforce, kl_coef: 1.0, kl_estimator: k3}}\n"
+        )
+
+    groups = sampled_groups(behaviour_seed=2)
+    base, sharded = new_learner(cfg(0)), new_learner(cfg(3))
+    for _ in range(2):  # the second step's KL is away from 0: the policy has moved
+        a, b = base.step(groups), sharded.step(groups)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["kl_ref"] == pytest.approx(a["kl_ref"], rel=1e-4, abs=1e-9)
+    assert b["kl_ref"] > 0
+    synced_a, synced_b = base.state_dict_for_sync(), sharded.state_dict_for_sync()
+    for name in synced_a:
+        np.testing.assert_allclose(synced_b[name], synced_a[name], rtol=1e-5, atol=1e-7)
+
+
 def test_reference_model_kl_penalty_pulls_towards_the_initial_policy():
     def cfg(kl: float) -> object:
         return parse_config(
