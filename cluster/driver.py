@@ -134,6 +134,18 @@ class Driver(CheckpointMixin):
                 if version is None:
                     break
                 self._dispatch([slot], version)
+            version = self.schedule.unstall(self.flow)
+            idle = self.pool.idle()
+            if version is not None and idle:
+                logger.warning(
+                    "async schedule: only %d of the %d groups a step needs are stored or "
+                    "coming (some were dropped), and every batch would now train groups past "
+                    "buffer.max_staleness=%s: starting one at v%d anyway; its groups past the "
+                    "bound are dropped stale",
+                    self.flow.untrained(), self.schedule.G, self.cfg.buffer.max_staleness,
+                    version,
+                )  # fmt: skip
+                self._dispatch(idle[:1], version)
             if not self.flow.running and self.flow.untrained() < self.schedule.G:
                 raise RuntimeError(
                     f"async schedule stalled at step {self.step}: no batch may start "

@@ -113,6 +113,21 @@ class Schedule:
         oldest = min([version, *(v for v, _ in flow.running.values())])
         return trainable(oldest, trained_at, self.cfg.buffer.max_staleness)
 
+    def unstall(self, flow: Flow) -> int | None:
+        """async, when nothing runs and fewer than G groups are stored (some were dropped, e.g.
+        invalid), so no step can run, and `admits` refuses every batch because some of its
+        groups would be trained too late: the version to start one at anyway, or None if
+        that cannot help (no room in the buffer, or no step left short). Its groups past the
+        staleness rule are dropped stale when the learner takes them, and the steps line up
+        with the batches again; without it the run could never finish."""
+        if self.lockstep or flow.running or flow.untrained() >= self.G:
+            return None
+        if flow.trained + flow.untrained() >= self.cfg.run.steps * self.G:
+            return None
+        if flow.untrained() + self.P > self.cfg.buffer.capacity:
+            return None
+        return flow.latest
+
     def may_step(self, flow: Flow) -> bool:
         """Whether to call the learner now: lock-step once batch t (its data) has started, so
         the learner takes the groups the moment they land; async whenever it is idle."""
