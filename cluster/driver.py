@@ -507,20 +507,21 @@ class Driver(CheckpointMixin):
             logger.error("not scaling to %d rollout workers: %s", n, refusal)
             self.rundir.refuse_workers(n, refusal)
             return
-        if self.sync.broadcasts and self.cfg.sync.mode == "lockstep":
-            # a new engine can only get the weights of a broadcast: wait for the next publish
-            logger.info("scaling rollout workers to %d at the next publish", n)
-            self._deferred_workers = n
-            return
         added = n > len(self.pool.active)
         idle = idle_workers_warning(cfg, n)
         if idle and added:
             logger.warning("%s", idle)
+        if self.sync.broadcasts and (added or self.schedule.lockstep):
+            # A new engine can only get weights from a broadcast: it joins at the next
+            # publish (`_publish` scales first), and must not be handed a batch before it.
+            # Lock-step publishes on its schedule; async publishes the newest weights (any
+            # version runs) as soon as the learner is between calls, so the weights
+            # published are exactly version `step`.
+            logger.info("scaling rollout workers to %d at the next publish", n)
+            self._deferred_workers = n
+            self._publish_when_idle = not self.schedule.lockstep
+            return
         self._scale(n)
-        if self.sync.broadcasts and added:
-            # new engines get the newest weights (async: any version runs) once the learner
-            # is between calls, so the weights published are exactly version `step`
-            self._publish_when_idle = True
 
     def _scale(self, n: int) -> None:
         logger.info("scaling rollout workers %d -> %d", len(self.pool.active), n)
