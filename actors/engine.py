@@ -99,7 +99,8 @@ class RolloutEngine(Protocol):
 
     @property
     def version(self) -> int:
-        """Policy version of the weights currently loaded."""
+        """Policy version of the weights currently loaded; -1 after a load that failed once
+        it had changed some weights (they are then a mix of two versions)."""
         ...
 
     def generate(

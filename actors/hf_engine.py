@@ -121,7 +121,17 @@ class HFEngine:
         return [completions[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def load_weights(self, weights: WeightsUpdate, version: int) -> None:
-        load_named_arrays(self._params, weights)
+        """Copy `weights` in and set the version. Once the first array is in, the weights are
+        of no version (-1) until the last one is: a load that fails partway leaves a mix,
+        which no batch or evaluation may use (a bad first array changes nothing)."""
+
+        def copying() -> Iterator[tuple[str, Any]]:
+            for i, item in enumerate(as_named_arrays(weights)):
+                if i == 1:  # asked for the second: the first was copied
+                    self._version = -1
+                yield item
+
+        load_named_arrays(self._params, copying())
         self._version = version
 
     def join_sync_group(

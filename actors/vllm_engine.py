@@ -290,6 +290,7 @@ class VLLMEngine:
         for name, array in arrays.items():
             check_parameter(name, array.shape, self.shapes.get(name), self.shapes)
         parts = bucketize(arrays, self.bucket_bytes)
+        self._version = -1  # until every bucket is in: a load failing partway leaves a mix
         for i, bucket in enumerate(parts):
             first, last = i == 0, i == len(parts) - 1
             if self.weight_transport == "rpc":
@@ -334,10 +335,12 @@ class VLLMEngine:
             for name, shape, _dtype in bucket.layout:
                 check_parameter(name, shape, self.shapes.get(name), self.shapes)
         wire = [[b.kind, b.layout, b.where] for b in buckets]
+        self._version = -1  # until the load is done (see load_weights)
         self.llm.collective_rpc("staleflow_load_shared", args=(wire,))
         self._version = version
 
     def receive_broadcast(self, layouts: list[Any], version: int) -> None:
         wire = [[[name, list(shape), dtype] for name, shape, dtype in b] for b in layouts]
+        self._version = -1  # until the load is done (see load_weights)
         self.llm.collective_rpc("staleflow_receive", args=(wire,))
         self._version = version

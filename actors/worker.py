@@ -320,6 +320,11 @@ class RolloutWorker:
         """Held-out accuracy of the loaded weights, or of `weights` loaded first (one sample
         per held-out prompt)."""
         self._ensure(weights)
+        if self.engine.version < 0:
+            raise VersionMismatchError(
+                f"{self.worker_id}: a weight load failed partway, so its weights are of no "
+                "version; load weights first"
+            )
         n = n_prompts if n_prompts is not None else self.cfg.task.eval_prompts
         temp = temperature if temperature is not None else self.cfg.task.eval_temperature
         prompts = self.task.eval_prompts(n)

@@ -19,21 +19,23 @@ class Evaluations:
 
     pool: Any
     prompts: int
-    running: list[tuple[Any, int]] = field(default_factory=list)  # (ref, step)
+    running: list[tuple[Any, int, Any]] = field(default_factory=list)  # (ref, step, slot)
     _retried: set[int] = field(default_factory=set)
 
-    def start(self, step: int, weights: Any) -> None:
-        """Evaluate `weights` (the version of `step`) on the first live worker."""
-        self.running.append((self.pool.evaluate(self.pool.active[0], weights, self.prompts), step))
+    def start(self, step: int, weights: Any, avoid: Any = None) -> None:
+        """Evaluate `weights` (the version of `step`) on the first live worker (other than
+        `avoid`, the one a failed attempt ran on, if there is another)."""
+        slot = next((s for s in self.pool.active if s is not avoid), self.pool.active[0])
+        self.running.append((self.pool.evaluate(slot, weights, self.prompts), step, slot))
 
     @property
     def refs(self) -> list[Any]:
-        return [ref for ref, _ in self.running]
+        return [ref for ref, _, _ in self.running]
 
     @property
     def versions(self) -> set[int]:
         """The versions evaluations in flight use (their weights must stay published)."""
-        return {step for _, step in self.running}
+        return {step for _, step, _ in self.running}
 
     def finished(self, ref: Any, published: dict[int, Any]) -> tuple[int, Any | None]:
         """An evaluation's call returned: (its step, its report), or (step, None) if it
@@ -41,15 +43,23 @@ class Evaluations:
         `published` and it was not retried before."""
         import ray
 
-        step = next(s for r, s in self.running if r == ref)
-        self.running = [(r, s) for r, s in self.running if r != ref]
+        step, slot = next((s, w) for r, s, w in self.running if r == ref)
+        self.running = [entry for entry in self.running if entry[0] != ref]
         from staleflow.actors.tasks import TaskError
         from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.cluster.failures import remote_cause
 
         try:
-            return step, ray.get(ref)
+            report = ray.get(ref)
+            if report.policy_version != step:  # (a worker refuses this; never record it)
+                raise RuntimeError(
+                    f"the evaluation of step {step} ran on weights v{report.policy_version}"
+                )
+            return step, report
         except Exception as exc:  # its worker died, or the evaluation itself failed
+            # The weights it holds are unknown (a load may have failed partway): whatever
+            # runs on it next loads its version first.
+            self.pool.version_unknown(slot)
             shown = remote_cause(exc)
             repeats = isinstance(shown, TaskError | RewardError | PromptTooLongError)
             weights = published.get(step)
@@ -62,5 +72,5 @@ class Evaluations:
                            first, "; retrying" if retry else "; skipped")  # fmt: skip
             self._retried.add(step)
             if retry:
-                self.start(step, weights)
+                self.start(step, weights, avoid=slot)
             return step, None

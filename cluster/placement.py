@@ -307,6 +307,11 @@ class WorkerPool:
         slot.version = weights.version
         return weights
 
+    def version_unknown(self, slot: WorkerSlot) -> None:
+        """A call on `slot` failed after it may have started loading weights: its next call
+        loads the version it needs, whatever `slot.version` said."""
+        slot.version = -1
+
     def run_batch(
         self,
         slot: WorkerSlot,

@@ -61,6 +61,38 @@ def test_version_is_enforced_and_changes_only_between_batches():
     assert worker.run_batch(policy_version=1).policy_version == 1
 
 
+def test_a_load_that_fails_partway_leaves_no_version_to_sample_or_evaluate_with(ray_local):
+    # The update's last array has a wrong shape: every array before it was already copied,
+    # so the engine holds a mix of v0 and v1. It used to keep saying v0: a batch at v0 ran
+    # on the mix, tagged v0, and an evaluation retried without a load graded the mix.
+    from staleflow.actors.worker import WeightLoadError
+    from staleflow.learner.publish import RayPublisher
+
+    cfg = parse_config(CONFIG)
+    worker = RolloutWorker(cfg, run_id="run")
+    bad = tiny_weights(seed=3)
+    last = list(bad)[-1]
+    bad[last] = np.zeros((3, 3), np.float32)
+    with pytest.raises(ValueError, match=f"parameter '{last}': got shape"):
+        worker.load_weights(bad, version=1)
+    assert worker.version == -1
+    with pytest.raises(VersionMismatchError, match="has policy version -1 loaded"):
+        worker.run_batch(policy_version=0)
+    with pytest.raises(VersionMismatchError, match="a weight load failed partway"):
+        worker.evaluate(n_prompts=2)
+    # a handle's load (as the driver sends) fails alike; a good load makes it whole again
+    with pytest.raises(WeightLoadError):
+        worker.load_published(RayPublisher().publish(bad, version=1))
+    assert worker.version == -1
+    assert worker.load_published(RayPublisher().publish(tiny_weights(seed=3), 1)) == 1
+    assert worker.evaluate(n_prompts=2).policy_version == 1
+    # a bad first array changes nothing: the version stays
+    first = list(bad)[0]
+    with pytest.raises(ValueError, match=f"parameter '{first}'"):
+        worker.load_weights({first: np.zeros((3, 3), np.float32)}, version=2)
+    assert worker.version == 1
+
+
 def test_evaluate_reports_held_out_accuracy():
     cfg = parse_config(CONFIG)
     worker = RolloutWorker(cfg, run_id="run")
@@ -243,20 +275,27 @@ def test_an_evaluation_failing_as_it_would_again_is_not_retried_and_says_why(ray
     from staleflow.cluster.evaluations import Evaluations
 
     @ray.remote
-    def evaluate(fail_with: str) -> str:
+    def evaluate(fail_with: str) -> object:
+        if fail_with == "old weights":  # a report of another version than the step's
+            from types import SimpleNamespace
+
+            return SimpleNamespace(policy_version=2, accuracy=0.5)
         if fail_with == "task":
             raise TaskError("custom task has no held-out prompts for task.eval_prompts=64")
         raise ConnectionError("the worker's node went away")
 
     class Pool:  # the one part faked: which "worker" runs the evaluation
         def __init__(self) -> None:
-            self.active, self.calls = ["w0"], []
+            self.active, self.calls, self.unknown = ["w0"], [], []
 
         def evaluate(self, worker, weights, prompts):
             self.calls.append(weights)
             return evaluate.remote(weights)
 
-    for cause, retried in [("task", False), ("node", True)]:
+        def version_unknown(self, worker):  # a failed call: its next one loads weights
+            self.unknown.append(worker)
+
+    for cause, retried in [("task", False), ("node", True), ("old weights", True)]:
         pool = Pool()
         evaluations = Evaluations(pool, prompts=64)
         evaluations.start(3, cause)
@@ -267,8 +306,11 @@ def test_an_evaluation_failing_as_it_would_again_is_not_retried_and_says_why(ray
             step, report = evaluations.finished(ref, {3: cause})
         assert (step, report) == (3, None)
         assert pool.calls == [cause] * (2 if retried else 1)
+        assert pool.unknown == ["w0"]
         message = caplog.records[-1].getMessage()
-        if retried:
+        if cause == "old weights":  # never recorded as step 3's accuracy
+            assert "the evaluation of step 3 ran on weights v2; retrying" in message
+        elif retried:
             assert "ConnectionError: the worker's node went away; retrying" in message
         else:
             assert "TaskError: custom task has no held-out prompts" in message
