@@ -87,7 +87,7 @@ def test_a_load_that_fails_partway_leaves_no_version_to_sample_or_evaluate_with(
     assert worker.load_published(RayPublisher().publish(tiny_weights(seed=3), 1)) == 1
     assert worker.evaluate(n_prompts=2).policy_version == 1
     # a bad first array changes nothing: the version stays
-    first = list(bad)[0]
+    first = next(iter(bad))
     with pytest.raises(ValueError, match=f"parameter '{first}'"):
         worker.load_weights({first: np.zeros((3, 3), np.float32)}, version=2)
     assert worker.version == 1
