@@ -491,7 +491,7 @@ class CustomTask:
             if isinstance(value, str | bytes):
                 raise TypeError
             reward = float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float
             return Score(
                 0.0, parsed=False,
                 error=f"the reward function returned {value!r:.80} ({type(value).__name__}), "

@@ -240,6 +240,16 @@ class RolloutConfig(Frozen):
     def _worker_share(cls, value: float) -> float:
         return _gpu_share(value, "rollout.gpus_per_worker")
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(s == "" for s in value):  # it is in every text: each response would stop at once
+            raise ValueError(
+                f"rollout.stop has an empty string ({list(value)!r}), which every text "
+                "contains, so every response would stop after one token; remove it"
+            )
+        return value
+
     @field_validator("resources")
     @classmethod
     def _worker_resources(cls, value: dict[str, float]) -> dict[str, float]:

@@ -219,6 +219,7 @@ def test_leftover_parameters_after_switching_preset_are_reported():
         (MINIMAL, ["learner.optimizer.betas=[0.9, 1.5]"], "beta"),
         (MINIMAL, ["run.name=has space"], "run.name"),
         (MINIMAL, ["learner.zero_stage=4"], "less than or equal to 3"),
+        (MINIMAL, ['rollout.stop=["###", ""]'], "rollout.stop has an empty string.*remove it"),
         ("", [], "model: required key is missing"),
         ("- a\n- b\n", [], "must be a mapping"),
         ("model: [\n", [], r"run.yaml:\d+: not valid YAML"),

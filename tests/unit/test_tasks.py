@@ -197,6 +197,9 @@ def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch
 
             def numpy_bool(meta, response):
                 return np.float32(0.5) if response else True
+
+            def huge(meta, response):
+                return 10**400  # an int no float holds: OverflowError, not a worker fault
             """
         )
     )
@@ -204,7 +207,7 @@ def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "seen": {"n": 0},
                                               "answer": None}])  # fmt: skip
     made = {fn: CustomTask(str(path), f"odd_rewards:{fn}", eval_fraction=0)
-            for fn in ("text", "counting", "numpy_bool")}  # fmt: skip
+            for fn in ("text", "counting", "numpy_bool", "huge")}  # fmt: skip
     prompt = made["text"].train[0]
     assert prompt.answer == ""  # null: no answer, not the text 'None'
     score = made["text"].score(prompt, "x")
@@ -213,6 +216,10 @@ def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch
     # the metadata is copied all the way down: the same response scores the same
     assert [made["counting"].score(prompt, "x").reward for _ in range(2)] == [1.0, 1.0]
     assert made["numpy_bool"].score(prompt, "x").reward == 0.5
+    huge = made["huge"].score(prompt, "x")
+    assert (huge.reward, huge.parsed) == (0.0, False)
+    assert "returned 1000000000" in huge.error
+    assert "(int), not a number" in huge.error
     assert made["numpy_bool"].score(prompt, "").reward == 1.0
     sys.modules.pop("odd_rewards", None)
 
