@@ -333,7 +333,9 @@ class Driver(CheckpointMixin):
         keep |= versions_in_use(self.schedule, self.flow)  # running, coming (for a checkpoint)
         if self.resumed is not None and self.schedule.lockstep:  # batches still to redo
             keep |= {self.resumed.versions[b] for b in self.redo}
-        for v in [v for v in self.published if v < min(keep)]:
+        # every version nothing needs, also those between needed ones: an evaluation of an
+        # old step must not keep every later version (under ipc each is a model's copy)
+        for v in [v for v in self.published if v not in keep]:
             self.sync.discard(self.published.pop(v))  # checkpoint: its file; ipc: its copy
         self.flow.published = set(self.published)
 

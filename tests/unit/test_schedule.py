@@ -140,3 +140,29 @@ def test_the_learning_rate_schedule_and_what_lengthening_a_run_does_to_it():
     constant = parse_config("model: {preset: tiny}\nrun: {steps: 20}\n")
     assert lr_horizon_warning(saved, constant, done=11) is None  # nothing decays
     assert lr_horizon_warning({}, cfg, done=11) is None  # an older checkpoint: no config
+
+
+def test_published_versions_nothing_needs_are_freed_also_between_needed_ones():
+    # An evaluation of step 1 still running kept every later version published (only those
+    # below the oldest needed one were freed): under ipc each is a whole model's copy.
+    from types import SimpleNamespace
+
+    from staleflow.cluster.driver import Driver
+    from staleflow.cluster.schedule import Flow, Schedule
+
+    cfg = parse_config(
+        "model: {preset: tiny}\ntask: {name: digits, chat_template: false}\n"
+        "sync: {mode: async}\nrun: {steps: 10}\n"
+    )
+    driver = Driver.__new__(Driver)  # only the bookkeeping of published versions
+    driver.schedule, driver.resumed = Schedule(cfg), None
+    driver.flow = Flow(steps=5, running={7: (4, 2)})  # a batch still generating at v4
+    driver.evaluations = SimpleNamespace(versions={1})  # step 1's evaluation in flight
+    freed: list[int] = []
+    sync = SimpleNamespace(discard=lambda handle: freed.append(handle.version))
+    driver.services = SimpleNamespace(sync=sync)
+    driver.published = {v: SimpleNamespace(version=v) for v in range(1, 5)}
+    driver._published(SimpleNamespace(version=5))
+    assert sorted(driver.published) == [1, 4, 5]  # the evaluation's, the batch's, the newest
+    assert sorted(freed) == [2, 3]
+    assert driver.flow.published == {1, 4, 5}
