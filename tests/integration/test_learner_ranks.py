@@ -61,18 +61,28 @@ def _rank(rank: int, port: int, groups: list, out_dir: str) -> None:
     _leave()
 
 
+def _run_ranks(target, args: tuple, timeout_s: float = 300) -> list[int | None]:
+    """Run `target(rank, port, *args)` as ranks 0 and 1 (spawned processes); their exit
+    codes (None: still running at the timeout, e.g. waiting in a collective; then killed)."""
+    port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout_s)
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    return codes
+
+
 def test_two_ranks_make_the_same_update_as_one(tmp_path):
     groups = sampled_groups(behaviour_seed=2)  # 16 sequences of different lengths
     single = new_learner(parse_config(CFG))
     expected = single.step(groups)
-    port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, groups, str(tmp_path))) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    assert _run_ranks(_rank, (groups, str(tmp_path))) == [0, 0]
     got = json.loads((tmp_path / "metrics.json").read_text())
     assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)
     weights = np.load(tmp_path / "weights.npz")
@@ -114,17 +124,7 @@ def _sharded_rank(rank: int, port: int, stage: int, data: list, out_dir: str) ->
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage):
     data = [sampled_groups(behaviour_seed=s, n=2) for s in (1, 2, 3, 4)]
-    port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_sharded_rank, args=(r, port, stage, data, str(tmp_path)))
-        for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    assert _run_ranks(_sharded_rank, (stage, data, str(tmp_path))) == [0, 0]
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert "optimizer-rank0.safetensors" in files
     assert "optimizer-rank1.safetensors" in files
@@ -192,20 +192,8 @@ def test_ranks_with_unequal_shards_make_the_same_update_as_one(tmp_path, stage, 
     expected = single.step(groups)
     assert expected["grad_norm"] > 1.0e-3  # clipping changes the update
     sharded = cfg_text.replace("learner: {", f"learner: {{zero_stage: {stage}, ")
-    port = free_port("127.0.0.1")
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_uneven_rank, args=(r, port, sharded, groups, str(tmp_path)))
-        for r in (0, 1)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)  # a rank waiting in a collective for its peer would hang here
-    for p in procs:
-        if p.exitcode is None:
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    # (a rank waiting in a collective for its peer would hang: None after 120 s)
+    assert _run_ranks(_uneven_rank, (sharded, groups, str(tmp_path)), 120) == [0, 0]
     reference = single.state_dict_for_sync()
     for rank in (0, 1):
         got = json.loads((tmp_path / f"metrics{rank}.json").read_text())
