@@ -386,6 +386,15 @@ def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             raise TaskError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from None
         if not isinstance(obj, dict):
             raise TaskError(f"{path}:{line_no}: expected a JSON object")
+        try:  # a \ud83d escape alone decodes to a lone surrogate: no character, no UTF-8
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = exc.object[exc.start : exc.end]
+            raise TaskError(
+                f"{path}:{line_no}: a string holds {bad!r}, half of a UTF-16 surrogate pair "
+                "(a \\uXXXX escape without its other half), which is no character; write "
+                "the character itself, or both halves of its escape"
+            ) from None
         yield line_no, obj
 
 

@@ -253,6 +253,7 @@ def test_gsm8k_reads_local_jsonl_and_scores_final_numbers(tmp_path):
         (['{"question": "q", "answer": "#### 1"}', "{not json"], r"train.jsonl:2: not valid JSON"),
         ([{"question": "q", "answer": "no marker"}], r"train.jsonl:1: needs .*'#### <number>'"),
         ([{"question": "q", "answer": "#### many"}], r"train.jsonl:1: no number after"),
+        (['{"question": "q \\ud83d", "answer": "#### 1"}'], r"train.jsonl:1: .*'\\ud83d', half"),
     ],
 )
 def test_gsm8k_broken_lines_name_file_and_line(tmp_path, rows, message):
