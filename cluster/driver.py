@@ -481,8 +481,17 @@ class Driver(CheckpointMixin):
                 self._on_learner_done()
             else:
                 self._rank_returned(done[0])
-        for ref in self.evaluations.refs:
-            self._on_eval_done(ref)
+        refs = self.evaluations.refs
+        if refs:  # bounded like a batch: a hung evaluation must not hold up the shutdown
+            limit = self.cfg.rollout.batch_timeout_s
+            done, late = ray.wait(refs, num_returns=len(refs), timeout=limit)
+            for ref in done:
+                self._on_eval_done(ref)
+            if late:
+                logger.warning(
+                    "%d evaluation(s) still running after rollout.batch_timeout_s=%g s: not "
+                    "waited for, their accuracy is missing", len(late), limit,
+                )  # fmt: skip
         self.evaluations.running = []  # a retry started just now is not waited for
         shards = list(self.rollouts.shards)
         done, _ = ray.wait(shards, num_returns=len(shards), timeout=0)

@@ -315,3 +315,39 @@ def test_an_evaluation_failing_as_it_would_again_is_not_retried_and_says_why(ray
         else:
             assert "TaskError: custom task has no held-out prompts" in message
             assert message.endswith("; skipped")
+
+
+def test_shutdown_waits_for_a_hung_evaluation_no_longer_than_a_batch(ray_local, caplog):
+    # The driver's drain waited for every evaluation in flight with no limit: one hung in
+    # its reward function or engine held the run's shutdown forever.
+    from types import SimpleNamespace
+
+    import ray
+
+    from staleflow.cluster.driver import Driver
+    from staleflow.cluster.evaluations import Evaluations
+
+    @ray.remote
+    def hung_evaluation() -> None:
+        import time
+
+        time.sleep(120)
+
+    class Pool:  # the one part faked: which "worker" runs the evaluation
+        active = ("w0",)
+
+        def evaluate(self, worker, weights, prompts):
+            return hung_evaluation.remote()
+
+    driver = Driver.__new__(Driver)  # only the drain
+    driver.cfg = parse_config(CONFIG, ["rollout.batch_timeout_s=1"])
+    driver.learning = None
+    driver.evaluations = Evaluations(Pool(), prompts=8)
+    driver.evaluations.start(3, None)
+    driver.rollouts = SimpleNamespace(shards={}, abandon=lambda: None)
+    ref = driver.evaluations.refs[0]
+    with caplog.at_level("WARNING"):
+        driver._drain()
+    ray.cancel(ref, force=True)
+    assert driver.evaluations.running == []
+    assert "1 evaluation(s) still running after rollout.batch_timeout_s=1 s" in caplog.text
