@@ -349,7 +349,7 @@ def test_scale_workers_up_and_down_during_a_run(tmp_path):
     (tmp_path / "c.yaml").write_text(TINY)
     proc = staleflow(
         "train", "c.yaml", "run.name=scaled", "sync.mode=async", "buffer.max_staleness=2",
-        "run.steps=400", "--workers", "1", cwd=tmp_path,
+        "run.steps=100000", "--workers", "1", cwd=tmp_path,  # stopped by Ctrl-C below
     )  # fmt: skip
     run = tmp_path / "runs" / "scaled"
     try:
