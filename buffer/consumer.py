@@ -126,7 +126,7 @@ class Consumer:
             try:
                 groups, receipts, bad = self._decode(taken)
             finally:
-                late = self._finish_ahead(ahead, ack_args)
+                late = self._finish(ahead, ack_args)
         except BaseException:  # nothing is handed out: the next take offers these again
             for entry_id, version, fields, replay in taken:
                 if not replay:
@@ -318,11 +318,9 @@ class Consumer:
     ) -> tuple[int, Any]:
         """Read new entries into the pool: what fifo needs, or everything for freshest.
         Blocks (until the deadline, 5 s at most per call) only if the pool cannot cover
-        `need`. With `ack_args`, scripts.ACK runs first, in the same round trip (on the
-        read-ahead's connection, without redis-py's retries: a reply lost with its
-        connection is recovered here, not sent again blind). Returns
-        (entries read, the ack's result, or None if nothing was sent: the pool covers
-        `need`, and the ack waits for the next send)."""
+        `need`. With `ack_args`, scripts.ACK runs first, in the same round trip (see
+        `_finish`). Returns (entries read, the ack's result, or None if nothing was sent:
+        the pool covers `need`, and the ack waits for the next send)."""
         if self._lost_read:
             self._reread_own()
         want = self.capacity if self.sampling == "freshest" else need - len(self._pool)
@@ -330,67 +328,54 @@ class Consumer:
             return 0, None
         remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
         block = min(remaining_ms, 5000) if len(self._pool) < need else 0
-        commands: list[tuple[Any, ...]] = []
-        if ack_args:
-            commands.append(("EVAL", *self._ack_eval(ack_args)))
-        commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.name, "COUNT", want,
-                         *(("BLOCK", block) if block else ()),
-                         "STREAMS", self.keys.stream, ">"))  # fmt: skip
-        try:
-            replies = InFlight.send(self._lane, commands).replies()
-        except BaseException:  # unparseable: whatever the read delivered is found again
-            self._lost_read = True
-            raise
-        if replies is None:
-            # The connection dropped: the ack is sent again (it is idempotent), and what the
-            # read delivered is pending under this consumer: read it again from there now,
-            # not after claim_idle_s.
-            self._lost_read = True
-            ack_result = self._run_ack(ack_args) if ack_args else None
-            before = len(self._pool)
-            self._reread_own()
-            return len(self._pool) - before, ack_result
-        ack_result = replies[0] if ack_args else None
-        read = self._pool_read(replies[-1])  # before raising an ack error: nothing is lost
-        if isinstance(ack_result, Exception):
-            raise ack_result
-        return read, ack_result
+        before = len(self._pool)
+        commands = [*self._ack_command(ack_args), self._read_command(want, block)]
+        ack_result = self._finish(InFlight.send(self._lane, commands), ack_args)
+        if self._lost_read:  # its reply was lost: read what it delivered now, not after
+            self._reread_own()  # claim_idle_s
+        return len(self._pool) - before, ack_result
 
-    def _pool_read(self, reply: Any) -> int:
-        """Put the entries of an XREADGROUP reply into the pool; how many there were."""
+    def _pool_read(self, reply: Any) -> None:
+        """Put the entries of an XREADGROUP reply into the pool."""
         if isinstance(reply, redis.ResponseError) and self._regroup(reply):
-            return 0
+            return
         if isinstance(reply, Exception):
             raise reply
-        count = 0
         for _stream, entries in reply or []:
             for entry_id, fields in entries:
                 self._pool[text(entry_id)] = parse_fields(fields)
-                count += 1
-        return count
 
     def _send_ahead(self, n: int, ack_args: list[Any] | None) -> InFlight | None:
         """Send the ack still due, and a read of what the next take of `n` will want (fifo
         and replay: `n` more than the pool holds), without waiting for the replies."""
-        commands: list[tuple[Any, ...]] = []
-        if ack_args:
-            commands.append(("EVAL", *self._ack_eval(ack_args)))
+        commands = self._ack_command(ack_args)
         want = n - len(self._pool) if self.read_ahead and self.sampling != "freshest" else 0
         if want > 0:
-            commands.append(("XREADGROUP", "GROUP", GROUP_NAME, self.name, "COUNT", want,
-                             "STREAMS", self.keys.stream, ">"))  # fmt: skip
+            commands.append(self._read_command(want))
         return InFlight.send(self._lane, commands) if commands else None
 
-    def _finish_ahead(self, ahead: InFlight | None, ack_args: list[Any] | None) -> Any:
-        """Read what `_send_ahead` sent; returns the ack's result (None if none was sent).
-        A lost connection loses nothing: the ack is redone (it is idempotent), and entries
-        the read may have delivered are read again from this consumer's pending list by
-        the next take (`_reread_own`)."""
-        if ahead is None:
+    def _ack_command(self, ack_args: list[Any] | None) -> list[tuple[Any, ...]]:
+        """scripts.ACK as a command sent along with a read, if there is an ack to send."""
+        return [("EVAL", *self._ack_eval(ack_args))] if ack_args else []
+
+    def _read_command(self, want: int, block_ms: int = 0) -> tuple[Any, ...]:
+        """XREADGROUP of up to `want` new entries (waiting up to `block_ms` if none)."""
+        block = ("BLOCK", block_ms) if block_ms else ()
+        return ("XREADGROUP", "GROUP", GROUP_NAME, self.name, "COUNT", want, *block,
+                "STREAMS", self.keys.stream, ">")  # fmt: skip
+
+    def _finish(self, call: InFlight | None, ack_args: list[Any] | None) -> Any:
+        """Read the replies of a call sent on the read-ahead's connection (the take's read, or
+        `_send_ahead`'s): InFlight, without redis-py's retries, which would send it again
+        blind. Returns the ack's result (None if none was sent). A lost connection loses
+        nothing: the ack is redone (it is idempotent), and entries the read may have delivered are
+        read again from this consumer's pending list (`_reread_own`: by `_refill` at once,
+        or by the next take)."""
+        if call is None:
             return None
-        read_sent = len(ahead.commands) > bool(ack_args)
+        read_sent = len(call.commands) > bool(ack_args)
         try:
-            replies = ahead.replies()
+            replies = call.replies()
         except BaseException:  # unparseable: whatever the read delivered is found again
             self._lost_read = self._lost_read or read_sent
             raise
