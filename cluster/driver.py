@@ -135,8 +135,7 @@ class Driver(CheckpointMixin):
                     break
                 self._dispatch([slot], version)
             version = self.schedule.unstall(self.flow)
-            idle = self.pool.idle()
-            if version is not None and idle:
+            if version is not None and (idle := self.pool.idle()):
                 logger.warning(
                     "async schedule: only %d of the %d groups a step needs are stored or "
                     "coming (some were dropped), and every batch would now train groups past "
