@@ -104,16 +104,27 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
         url = args.redis_url or read_server_url(redis_dir(args.run_dir))
         if args.run is None and args.run_dir is None:
             raise ValueError("--redis-url needs --run RUN, the run whose buffer to inspect")
-        run = args.run or Path(args.run_dir).name
+        run = args.run or RunDir(args.run_dir).key
         with ReplayBuffer(url, run) as buffer:
             runs = buffer.runs()
-            if run not in runs and state in ("starting", "running"):
-                raise ValueError(f"run {run} has pushed nothing yet (state: {state}); try again")
-            if run not in runs:  # not a buffer of zeros: there is none
+            where = buffer.url_for_display
+        if args.run and run not in runs:  # a run's name stands for its key if only one has it
+            named = [key for key in runs if key.rsplit("-", 1)[0] == run]
+            if len(named) > 1:
                 raise ValueError(
-                    f"no run {run!r} in the buffer at {buffer.url_for_display}; runs there: "
-                    f"{', '.join(runs) or 'none'} (--run NAME)"
+                    f"{len(named)} runs named {run!r} have a buffer at {where}: "
+                    f"{', '.join(named)}; pick one with --run KEY (a run's key is the run_id "
+                    "in its summary.json), or give --run-dir"
                 )
+            run = named[0] if named else run
+        if run not in runs and state in ("starting", "running"):
+            raise ValueError(f"run {run} has pushed nothing yet (state: {state}); try again")
+        if run not in runs:  # not a buffer of zeros: there is none
+            raise ValueError(
+                f"no run {run!r} in the buffer at {where}; runs there: "
+                f"{', '.join(runs) or 'none'} (--run NAME)"
+            )
+        with ReplayBuffer(url, run) as buffer:
             stats = buffer.stats()
     except (BufferConnectionError, RedisServerError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -167,7 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument(
         "--run-dir", help="a run directory; its embedded Redis server is found through it"
     )
-    stats.add_argument("--run", help="run name (default: the run directory's name)")
+    stats.add_argument(
+        "--run",
+        help="the run: its key (summary.json's run_id), or its name if only one run of that "
+        "name has a buffer there (default: the run directory's run)",
+    )
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=_cmd_buffer_stats)
     _add_run_commands(sub)

@@ -70,7 +70,7 @@ class Driver(CheckpointMixin):
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.cfg)
         self.flow = Flow()
-        self.run_id = self.rundir.path.name
+        self.run_id = self.rundir.key  # (RunDir.key: the name plus a suffix)
         self.P = self.cfg.rollout.prompts_per_batch
         self.published: dict[int, Any] = {}  # version -> handle workers load
         self.rollouts: Any = None  # Rollouts: the batches on the workers, once started

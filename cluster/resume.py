@@ -363,9 +363,14 @@ def check_resumable(run: RunDir, cfg: Any) -> None:
     (metrics.jsonl's `checkpoint` records, written after the ack); a config.json that differs
     from the checkpoint's config beyond what a resume may change; nothing left to do (the
     last checkpoint holds more than run.steps steps, or exactly as many and the run completed;
-    a run stopped during its last step still needs its final evaluation and summary)."""
+    a run stopped during its last step still needs its final evaluation and summary); a
+    damaged run-key (RunDir.key)."""
     from staleflow.learner.checkpoint import CheckpointError, check_files
 
+    try:
+        run.key  # noqa: B018 (read only to check it)
+    except ValueError as exc:
+        raise ResumeError(str(exc)) from None
     path = resumable_checkpoint(run)
     done = 0
     if path is not None:

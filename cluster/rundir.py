@@ -2,6 +2,7 @@
 
 <output_dir>/<run name>/
     config.json          the resolved config (secrets masked)
+    run-key              the run's id in shared places: Redis keys, /dev/shm files, Ray names
     metrics.jsonl        one JSON object per line: {"kind": "step" | "eval" | "rollout", ...}
     tensorboard/         the same scalars as TensorBoard event files (run.tensorboard)
     checkpoints/step-N/  learner checkpoints (safetensors + JSON); LATEST names the newest
@@ -21,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -92,6 +94,9 @@ def lock_file(path: Path, who: str, what: str) -> int | None:
     return fd
 
 
+_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as buffer.replay's run names
+
+
 class RunDirBusy(RuntimeError):
     """Another process holds the run directory (a driver still running there)."""
 
@@ -104,10 +109,31 @@ class RunDir:
 
     @classmethod
     def create(cls, output_dir: str, name: str) -> RunDir:
+        """The directory of a new run named `name`, with a new run key (see `key`)."""
         run = cls(Path(output_dir) / name)
         for sub in ("checkpoints", "logs", "control", "plots"):
             (run.path / sub).mkdir(parents=True, exist_ok=True)
+        write_text(run.path / "run-key", f"{name[:119]}-{uuid.uuid4().hex[:8]}\n")
         return run
+
+    @property
+    def key(self) -> str:
+        """The run's id wherever runs share a namespace: its Redis keys, its /dev/shm weight
+        files, its Ray actor names. It is the run's name plus a random suffix, made with the
+        directory and kept across resumes, so two runs given the same run.name (in two
+        output directories, on one Redis server or one node) never touch each other's
+        data. Run directories made before the key existed use their name, as they did."""
+        try:
+            key = (self.path / "run-key").read_text().strip()
+        except FileNotFoundError:
+            return self.path.name
+        if not _KEY.fullmatch(key):
+            raise ValueError(
+                f"{self.path / 'run-key'} holds {key[:80]!r}, not a run key (letters, digits, "
+                "'_', '.', '-'; at most 128): it was edited or damaged. Put back the key the "
+                "run started with: logs/driver.log and summary.json name it (run_id)"
+            )
+        return key
 
     def check_exists(self) -> RunDir:
         if not self.config.is_file():

@@ -49,7 +49,7 @@ class Services:
         from staleflow.cluster.weights import WeightSync
         from staleflow.learner.sync_group import node_address
 
-        cfg, run_id = self.cfg, self.rundir.path.name
+        cfg, run_id = self.cfg, self.rundir.key
         self.started_ray = not ray.is_initialized() and not self.address
         start_ray(self.address, cfg)
         # refuse now rather than wait forever: custom resources the cluster lacks in total
@@ -75,7 +75,7 @@ class Services:
             logger.info("resuming with the buffer as left: %d stored, %d pending, %d pushed",
                         stats.length, stats.pending, stats.pushed)  # fmt: skip
         else:
-            self.buffer.clear()  # a run name reused on a shared server starts empty
+            self.buffer.clear()  # a new run starts empty (its key is new: RunDir.key)
         publish_dir = self.publish_dir
         trajectories = self.rundir.trajectories if cfg.run.record_trajectories else None
         learner_dirs, worker_dirs = self._mark_shared_dirs()

@@ -145,10 +145,25 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
     assert wrong.returncode == 2
     assert "no run 'demp' in the buffer at redis://:***@" in wrong.stderr
     assert "runs there: demo, other-run (--run NAME)" in wrong.stderr
+    # runs are keyed by name + suffix (RunDir.key): a name stands for its one key, and two
+    # runs of one name are listed, not mixed up
+    push(redis_url, "solo-0123abcd", [0, 0])
+    out = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "solo", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["pushed"] == 2
+    push(redis_url, "twin-0123abcd", [0])
+    push(redis_url, "twin-89abcdef", [0, 1, 2])
+    both = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "twin")
+    assert both.returncode == 2
+    assert "2 runs named 'twin' have a buffer" in both.stderr
+    assert "twin-0123abcd, twin-89abcdef; pick one with --run KEY" in both.stderr
+    out = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "twin-89abcdef", "--json")
+    assert json.loads(out.stdout)["pushed"] == 3
 
-    run_dir = tmp_path / "job"
+    run_dir = RunDir.create(str(tmp_path), "job").path  # with its run-key file
     with RedisServer(redis_dir(run_dir)) as server:  # the embedded server of a running job
-        push(server.url, "job", [5])
+        push(server.url, "job", [0, 0, 0])  # a same-named run keyed by its name: not this one
+        push(server.url, RunDir(run_dir).key, [5])
         out = staleflow("buffer", "stats", "--run-dir", str(run_dir), "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["pushed"] == 1

@@ -435,6 +435,9 @@ def test_a_run_stopped_during_its_last_step_may_still_resume(tmp_path):
     with pytest.raises(ResumeError, match="already trained 5 steps"):
         check_resumable(run, cfg(5))
     check_resumable(run, cfg(6))
+    (run.path / "run-key").write_text("last 2\n")  # damaged: its buffer cannot be found
+    with pytest.raises(ResumeError, match=r"holds 'last 2', not a run key"):
+        check_resumable(run, cfg(6))
 
 
 def _train_resume(tmp_path, run) -> tuple[int, str]:

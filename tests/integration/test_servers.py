@@ -65,3 +65,21 @@ def test_a_run_on_each_external_server_reconciles(tmp_path, ray_local, external)
         if path.is_file() and path.suffix in {".json", ".jsonl", ".log", ".html"}:
             assert external.password not in path.read_text(errors="replace"), path
     assert (run.latest_checkpoint() / "trainer.json").is_file()
+
+
+def test_two_runs_given_one_name_keep_their_own_buffers_on_a_shared_server(
+    tmp_path, ray_local, redis_url
+):
+    # Both runs are named twin, in two output directories, on one server. The second one's
+    # start empties its own buffer only: the first's stays whole (its leftovers, its counts),
+    # as a resume of it needs them. They were both keyed `twin`, so the second start wiped it.
+    shared = (f"buffer.redis_url={redis_url}", "run.name=twin", "run.steps=2")
+    _, first, done, _ = run_driver(tmp_path / "a", *shared)
+    _, second, again, _ = run_driver(tmp_path / "b", *shared)
+    assert first.key != second.key
+    assert (done["run_id"], again["run_id"]) == (first.key, second.key)
+    assert set(ReplayBuffer(redis_url, "x").runs()) == {first.key, second.key}
+    for run, summary in ((first, done), (second, again)):
+        stats = ReplayBuffer(redis_url, run.key).stats()
+        assert stats.pushed == summary["groups"]["pushed"] >= 2 * 2  # G = 2 groups a step
+        assert stats.acked == summary["groups"]["trained"]

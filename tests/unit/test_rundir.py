@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,26 @@ def test_worker_requests_are_taken_once_and_bad_ones_ignored(tmp_path):
     assert run.take_worker_request() is None
     (run.control / "scale.json").write_text("{not json")
     assert run.take_worker_request() is None
+
+
+def test_run_keys_tell_same_named_runs_apart_and_survive_a_move(tmp_path):
+    first = RunDir.create(str(tmp_path / "a"), "demo")
+    second = RunDir.create(str(tmp_path / "b"), "demo")
+    # the name, a dash, 8 hex digits: two runs named demo get two keys
+    assert re.fullmatch(r"demo-[0-9a-f]{8}", first.key)
+    assert re.fullmatch(r"demo-[0-9a-f]{8}", second.key)
+    assert second.key != first.key
+    key = first.key
+    moved = first.path.rename(tmp_path / "renamed")  # a resume finds its buffer after a move
+    assert RunDir(moved).key == key
+    long = RunDir.create(str(tmp_path), "x" * 128)  # the longest name keeps within 128
+    assert len(long.key) == 128
+    old = tmp_path / "made-before-keys"
+    old.mkdir()
+    assert RunDir(old).key == "made-before-keys"  # its buffer was keyed by its name
+    (old / "run-key").write_text("staleflow:other:*\n")  # damaged: refused, not used
+    with pytest.raises(ValueError, match=r"not a run key .* logs/driver\.log and summary\.json"):
+        _ = RunDir(old).key
 
 
 def test_latest_checkpoint_follows_the_pointer(tmp_path):
