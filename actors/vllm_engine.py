@@ -32,7 +32,13 @@ from staleflow.actors.engine import (
     check_parameter,
     prompt_seed,
 )
-from staleflow.learner.publish import bucketize, check_room, pack_bucket, write_bucket
+from staleflow.learner.publish import (
+    bucket_nbytes,
+    bucketize,
+    check_room,
+    pack_bucket,
+    write_bucket,
+)
 
 __all__ = ["VLLMEngine", "WeightLoaderExtension"]
 
@@ -306,7 +312,7 @@ class VLLMEngine:
         applied, so /dev/shm holds up to one model's bytes during an update."""
         check_room(
             self.shm_dir,
-            sum(a.nbytes for a in bucket.values()),
+            bucket_nbytes(bucket),
             "a weight bucket",
             "give the container more shared memory (docker run --shm-size), lower "
             "sync.bucket_mb, or set rollout.vllm.weight_transport: rpc",

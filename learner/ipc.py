@@ -40,6 +40,8 @@ import numpy as np
 
 from staleflow.learner.publish import (
     PublishStats,
+    bucket_nbytes,
+    bucket_offsets,
     bucketize,
     check_room,
     flatten_tensors,
@@ -239,7 +241,7 @@ class WeightSharer:
         try:
             check_room(
                 self.shm_dir,
-                sum(t.nbytes for p in parts for t in p.values()),
+                sum(bucket_nbytes(p) for p in parts),
                 "a version of the weights (sync.method ipc)",
                 "give the machine (or container: --shm-size) more shared memory, or use "
                 "sync.method: ray",
@@ -312,13 +314,14 @@ class MappedFiles:
     def write(self, bucket: Mapping[str, np.ndarray], path: str) -> list[Any]:
         """Write `bucket` to the file `path` (made or resized as needed); its layout."""
         layout, views = wire_views(bucket)
-        size = sum(v.nbytes for v in views)
+        starts, size = bucket_offsets(v.nbytes for v in views)
         target = self._mapping(path, size)
-        offset = 0
-        for view in views:
-            if target is not None:
-                target[offset : offset + view.nbytes] = view
-            offset += view.nbytes
+        if target is not None:  # (None: an empty bucket, an empty file)
+            end = 0
+            for view, start in zip(views, starts, strict=True):
+                target[end:start] = bytes(start - end)  # the padding, as write_bucket's
+                target[start : start + view.nbytes] = view
+                end = start + view.nbytes
         return layout
 
     def _mapping(self, path: str, size: int) -> mmap.mmap | None:

@@ -19,7 +19,9 @@
   `write_bucket` / `read_bucket`: the same bytes through a file in shared memory, for a
   process on the same node (vLLM's engine core), so only the layout crosses the serialiser.
 
-Every publish reports its wall time and bytes.
+Within a bucket (packed bytes, a file, a flattened tensor) every array starts at a multiple
+of `ALIGN` bytes (`bucket_offsets`), so each can be viewed in its own dtype wherever the
+dtypes mix. Every publish reports its wall time and bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "ALIGN",
     "BroadcastWeights",
     "CheckpointPublisher",
     "CheckpointWeights",
@@ -46,6 +49,8 @@ __all__ = [
     "RayWeights",
     "broadcast_receive",
     "broadcast_send",
+    "bucket_nbytes",
+    "bucket_offsets",
     "bucketize",
     "check_room",
     "flatten_tensors",
@@ -227,6 +232,25 @@ WireLayout = list[list[Any]]
 
 _WIRE_DTYPES = {"<f4", "<f2", "<f8", "<i2", "<i4", "<i8", "|u1", "|i1", "|b1"}
 
+ALIGN = 16
+"""Every array of a bucket starts at a multiple of this many bytes. Packed back to back, an
+array after one of odd size in a narrower dtype (bfloat16 with an odd count, then float32)
+would start off its dtype's alignment: torch refuses to view such bytes as the wider dtype
+("storage_offset() must be divisible by 4"), which is how the broadcast and CUDA IPC paths
+split their flat buffers, and unaligned numpy views copy slower."""
+
+
+def bucket_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Where arrays of `sizes` bytes start in a bucket, in order, and the bucket's size: each
+    start is the previous end rounded up to `ALIGN` (padding of at most ALIGN - 1 bytes; none
+    after the last array)."""
+    starts, end = [], 0
+    for size in sizes:
+        start = -(-end // ALIGN) * ALIGN
+        starts.append(start)
+        end = start + size
+    return starts, end
+
 
 def wire_views(bucket: Arrays) -> tuple[WireLayout, list[memoryview]]:
     """The layout of a bucket and each array's bytes (views, no copy), in layout order."""
@@ -246,7 +270,18 @@ def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
     pickle, vLLM's IPC), where numpy arrays are not (vLLM's multiprocess mode turns them into
     nested lists). One copy of the bytes; bfloat16 travels as its int16 view."""
     layout, views = wire_views(bucket)
-    return layout, b"".join(views)
+    return layout, b"".join(_padded(views))
+
+
+def _padded(views: list[memoryview]) -> Iterator[memoryview | bytes]:
+    """`views` with the zero bytes `bucket_offsets` puts between them."""
+    starts, _ = bucket_offsets(v.nbytes for v in views)
+    end = 0
+    for start, view in zip(starts, views, strict=True):
+        if start > end:
+            yield bytes(start - end)
+        yield view
+        end = start + view.nbytes
 
 
 def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
@@ -255,12 +290,17 @@ def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
     In shared memory (/dev/shm) neither side touches a disk. A file of exactly that size is
     overwritten in place, keeping its pages (fresh tmpfs pages cost more than the copy)."""
     layout, views = wire_views(bucket)
-    size = sum(v.nbytes for v in views)
+    _, size = bucket_offsets(v.nbytes for v in views)
     same = os.path.exists(path) and os.path.getsize(path) == size
     with open(path, "r+b" if same else "wb") as handle:
-        for view in views:
+        for view in _padded(views):
             handle.write(view)
     return layout
+
+
+def bucket_nbytes(bucket: Mapping[str, Any]) -> int:
+    """The size of `bucket` packed (its arrays' bytes plus the padding between them)."""
+    return bucket_offsets(int(a.nbytes) for a in bucket.values())[1]
 
 
 def check_room(directory: str, nbytes: int, what: str, fix: str, reusable: int = 0) -> None:
@@ -293,24 +333,25 @@ def unpack_bucket(layout: WireLayout, data: Any) -> dict[str, np.ndarray]:
             "between the processes re-encoded it (send pack_bucket's output unchanged)"
         )
     out: dict[str, np.ndarray] = {}
-    offset = 0
+    counts = []
     for entry in layout:
         if len(entry) != 3:
             raise ValueError(f"bad layout entry {entry!r}: expected [name, shape, dtype]")
         name, shape, dtype = entry
         if dtype not in _WIRE_DTYPES or not all(isinstance(d, int) and d >= 0 for d in shape):
             raise ValueError(f"parameter {name!r}: bad layout (shape {shape}, dtype {dtype})")
-        count = int(np.prod(shape, dtype=np.int64))
-        size = count * np.dtype(dtype).itemsize
-        if offset + size > len(data):
+        counts.append(int(np.prod(shape, dtype=np.int64)))
+    sizes = [n * np.dtype(dtype).itemsize for n, (_, _, dtype) in zip(counts, layout, strict=True)]
+    starts, end = bucket_offsets(sizes)
+    for (name, shape, dtype), count, start, size in zip(layout, counts, starts, sizes, strict=True):
+        if start + size > len(data):
             raise ValueError(
                 f"parameter {name!r}: the bucket ends at byte {len(data)}, the layout needs "
-                f"{offset + size}"
+                f"{start + size}"
             )
-        out[name] = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape)
-        offset += size
-    if offset != len(data):
-        raise ValueError(f"the bucket has {len(data) - offset} bytes the layout does not name")
+        out[name] = np.frombuffer(data, dtype=dtype, count=count, offset=start).reshape(shape)
+    if end != len(data):
+        raise ValueError(f"the bucket has {len(data) - end} bytes the layout does not name")
     return out
 
 
@@ -321,19 +362,22 @@ TensorLayout = list[tuple[str, tuple[int, ...], str]]
 
 
 def flatten_tensors(bucket: Mapping[str, Any], device: Any) -> tuple[Any, TensorLayout]:
-    """One contiguous uint8 tensor on `device` holding every tensor of the bucket, plus the
-    layout. Tensors already on `device` are copied once, device to device."""
+    """One contiguous uint8 tensor on `device` holding every tensor of the bucket (each at
+    its `bucket_offsets` start), plus the layout. Each tensor is copied once, into place."""
     import torch
 
-    layout: TensorLayout = []
-    parts = []
-    for name, tensor in bucket.items():
-        t = tensor.detach().contiguous()
-        layout.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
-        parts.append(t.reshape(-1).view(torch.uint8).to(device))
-    if not parts:
-        return torch.zeros(0, dtype=torch.uint8, device=device), layout
-    return torch.cat(parts), layout
+    layout: TensorLayout = [
+        (name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in bucket.items()
+    ]
+    starts, end = bucket_offsets(_entry_bytes(shape, dtype) for _, shape, dtype in layout)
+    flat = torch.empty(end, dtype=torch.uint8, device=device)
+    done = 0
+    for tensor, start in zip(bucket.values(), starts, strict=True):
+        t = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[done:start].zero_()  # the padding: no stale bytes of this process leave it
+        flat[start : start + t.numel()].copy_(t)
+        done = start + t.numel()
+    return flat, layout
 
 
 def tensor_layouts(tensors: Mapping[str, Any], bucket_bytes: int) -> list[TensorLayout]:
@@ -348,16 +392,17 @@ def unflatten_tensors(flat: Any, layout: TensorLayout) -> dict[str, Any]:
     """Views of `flat` with each named tensor's shape and dtype (no copy)."""
     import torch
 
-    out, offset = {}, 0
-    for name, shape, dtype in layout:
-        size = _entry_bytes(shape, dtype)
-        out[name] = flat[offset : offset + size].view(getattr(torch, dtype)).reshape(shape)
-        offset += size
-    return out
+    sizes = [_entry_bytes(shape, dtype) for _, shape, dtype in layout]
+    starts, _ = bucket_offsets(sizes)
+    return {
+        name: flat[start : start + size].view(getattr(torch, dtype)).reshape(shape)
+        for (name, shape, dtype), start, size in zip(layout, starts, sizes, strict=True)
+    }
 
 
 def layout_bytes(layout: TensorLayout) -> int:
-    return sum(_entry_bytes(shape, dtype) for _, shape, dtype in layout)
+    """The size of the flat tensor `flatten_tensors` makes for `layout`."""
+    return bucket_offsets(_entry_bytes(shape, dtype) for _, shape, dtype in layout)[1]
 
 
 def _entry_bytes(shape: tuple[int, ...], dtype: str) -> int:

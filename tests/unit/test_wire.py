@@ -12,10 +12,15 @@ import torch
 
 from staleflow.actors.engine import check_parameter
 from staleflow.actors.vllm_engine import WeightLoaderExtension
+from staleflow.learner.ipc import MappedFiles
 from staleflow.learner.publish import (
+    bucket_offsets,
     bucketize,
+    flatten_tensors,
+    layout_bytes,
     pack_bucket,
     read_bucket,
+    unflatten_tensors,
     unpack_bucket,
     write_bucket,
 )
@@ -44,8 +49,9 @@ def test_a_bucket_survives_a_serialiser_bit_exactly(serialise):
     bucket = sample_bucket()
     layout, data = serialise(list(pack_bucket(bucket)))
     assert isinstance(data, bytes)
-    # 12 floats * 4 + 3 int16 * 2 + 1 float * 4 + 0 = 58 bytes, one copy of the data
-    assert len(data) == 58
+    # each array starts at a multiple of 16 bytes (ALIGN): "w" 12 floats * 4 = bytes 0-48,
+    # "b" 3 int16 * 2 = 48-54, "scalar" 1 float * 4 = 64-68, "empty" 0 bytes at 80: 80 bytes
+    assert len(data) == 80
     out = unpack_bucket(layout, data)
     assert list(out) == ["w", "b", "scalar", "empty"]
     for name, array in bucket.items():
@@ -93,8 +99,42 @@ def test_write_bucket_writes_pack_buckets_bytes_and_read_bucket_reads_them(tmp_p
     empty = write_bucket({"e": np.zeros((0, 5), dtype=np.float32)}, tmp_path / "empty")
     assert read_bucket(empty, tmp_path / "empty")["e"].shape == (0, 5)  # an empty file
     write_bucket(bucket, tmp_path / "bucket")
-    with pytest.raises(ValueError, match="the bucket ends at byte 58, the layout needs 62"):
+    with pytest.raises(ValueError, match="the bucket ends at byte 80, the layout needs 84"):
         read_bucket([*layout, ["x", [2], "<i2"]], tmp_path / "bucket")
+
+
+def test_mixed_dtypes_start_aligned_so_each_can_be_viewed_in_its_own(tmp_path):
+    # An odd count of bfloat16 before float32 and int64: packed back to back, "f" would start
+    # at byte 6 and torch refused to view it as float32 ("storage_offset() must be divisible
+    # by 4"), which broke the broadcast and CUDA IPC paths for such a model.
+    tensors = {
+        "h": torch.tensor([1.5, -2.25, 3.0e-3], dtype=torch.bfloat16),  # 6 bytes at 0
+        "f": torch.arange(5, dtype=torch.float32),  # 20 bytes at 16
+        "flag": torch.tensor([True]),  # 1 byte at 48
+        "i": torch.tensor([[7, -8]], dtype=torch.int64),  # 16 bytes at 64
+    }
+    assert bucket_offsets([6, 20, 1, 16]) == ([0, 16, 48, 64], 80)
+    flat, layout = flatten_tensors(tensors, "cpu")  # the broadcast's and CUDA IPC's buffer
+    assert flat.numel() == layout_bytes(layout) == 80
+    assert flat[6:16].tolist() == [0] * 10  # padding is zeros, not stale memory
+    for name, t in unflatten_tensors(flat, layout).items():
+        assert t.dtype == tensors[name].dtype
+        assert torch.equal(t, tensors[name])
+    arrays = {n: (t.view(torch.int16) if n == "h" else t).numpy() for n, t in tensors.items()}
+    layout, data = pack_bucket(arrays)  # the numpy paths (rpc, files): the same places
+    assert len(data) == 80
+    assert write_bucket(arrays, tmp_path / "mixed") == layout
+    assert (tmp_path / "mixed").read_bytes() == data
+    for name, array in read_bucket(layout, tmp_path / "mixed").items():
+        assert array.flags.aligned
+        np.testing.assert_array_equal(array, arrays[name])
+    # learner rank 0's kept mappings (sync.method ipc on CPU) write the same bytes, also into
+    # a file that held other bytes of that size (a version's file reused in place)
+    kept = MappedFiles()
+    (tmp_path / "kept").write_bytes(b"\xff" * 80)
+    assert kept.write(arrays, str(tmp_path / "kept")) == layout
+    kept.close()
+    assert (tmp_path / "kept").read_bytes() == data
 
 
 class Runner:
