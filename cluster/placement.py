@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.buffer.ports import free_port
-from staleflow.cluster.failures import ClusterUnreachable, LearnerFailed, rank_error
+from staleflow.cluster.failures import ClusterUnreachable, LearnerFailed, rank_error, remote_cause
 from staleflow.cluster.learner_rank import LearnerRank
 from staleflow.cluster.resources import ipc_bundle
 from staleflow.learner.device import hidden_gpus_env
@@ -495,11 +495,25 @@ class LearnerGroup:
             raise LearnerFailed(f"a learner rank failed during {during}: {failure}") from exc
 
     def kill(self) -> None:
+        """Close every rank (its prefetch, trajectory record and shared weights), waiting up
+        to 30 s for all of them together, then kill them. A rank that died or fails to
+        close is logged: the others still close before the kill (a single ray.get of them
+        all raised at the first dead one and cut the rest short)."""
         try:
-            ray.get([r.close.remote() for r in self.ranks], timeout=30)
-        except ray.exceptions.GetTimeoutError:  # killed below all the same
-            logger.warning("a learner rank did not close in 30 s (still in its step, "
-                           "waiting for a rank that failed?): killed")  # fmt: skip
+            refs = [r.close.remote() for r in self.ranks]
+            done, late = ray.wait(refs, num_returns=len(refs), timeout=30)
+            for rank, ref in enumerate(refs):
+                if ref not in done:
+                    continue
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    cause = remote_cause(exc)
+                    logger.warning("learner rank %d did not close: %s: %s", rank,
+                                   type(cause).__name__, str(cause).split("\n")[0])  # fmt: skip
+            if late:  # killed below all the same
+                logger.warning("%d learner rank(s) did not close in 30 s (still in a step, "
+                               "waiting for a rank that failed?): killed", len(late))  # fmt: skip
         finally:
             for r in self.ranks:
                 ray.kill(r)

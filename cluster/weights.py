@@ -26,7 +26,7 @@ import ray
 
 from staleflow.learner.ipc import SharedWeights
 
-__all__ = ["WeightSync", "get_all"]
+__all__ = ["WeightSync"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,11 @@ class WeightSync:
         members = [s for s in self.pool.slots if not s.retiring]
         if tuple(s.index for s in members) != self._members:
             self._form_group(members)
-        ranks = self.learner.ranks
-        refs = [r.broadcast.remote(version) for r in ranks]
-        refs += [s.handle.receive_broadcast.remote(self._layouts, version) for s in members]
-        handle = get_all(refs)[0]
+        handle = self._get_all(
+            [r.broadcast.remote(version) for r in self.learner.ranks],
+            [(s, s.handle.receive_broadcast.remote(self._layouts, version)) for s in members],
+            f"the weight broadcast of v{version}",
+        )[0]
         for slot in members:
             slot.version = version
         return handle
@@ -80,8 +81,11 @@ class WeightSync:
         if self._members is not None:
             return
         members = list(self.pool.slots)
-        learner = self.learner.ranks[0].place.remote()
-        places = get_all([learner] + [s.handle.place.remote() for s in members])
+        places = self._get_all(
+            [self.learner.ranks[0].place.remote()],
+            [(s, s.handle.place.remote()) for s in members],
+            "the check that every worker is on learner rank 0's node (sync.method ipc)",
+        )
         names = [f"rollout worker {s.index}" for s in members]
         check_colocated(places[0], dict(zip(names, places[1:], strict=True)))
         self._members = tuple(s.index for s in members)
@@ -89,31 +93,59 @@ class WeightSync:
     def _form_group(self, members: Sequence[Any]) -> None:
         sync = self.cfg.sync
         rank0 = self.learner.ranks[0]
+        during = f"the forming of the weight broadcast group ({sync.method})"
         if self._layouts is None:
             ranks = self.learner.ranks
-            self._layouts = get_all([r.sync_layouts.remote(sync.bucket_mb << 20) for r in ranks])[0]
-        host, port = ray.get(rank0.sync_address.remote())
+            layouts = [r.sync_layouts.remote(sync.bucket_mb << 20) for r in ranks]
+            self._layouts = self._get_all(layouts, [], during)[0]
+        host, port = self._get_all([rank0.sync_address.remote()], [], during)[0]
         world = 1 + len(members)
-        refs = [rank0.open_sync_group.remote(host, port, world)]
-        refs += [
-            s.handle.join_sync_group.remote(
-                host, port, i + 1, world, sync.method, sync.broadcast_timeout_s
-            )
-            for i, s in enumerate(members)
-        ]
-        get_all(refs)
+        self._get_all(
+            [rank0.open_sync_group.remote(host, port, world)],
+            [
+                (s, s.handle.join_sync_group.remote(
+                    host, port, i + 1, world, sync.method, sync.broadcast_timeout_s
+                ))
+                for i, s in enumerate(members)
+            ],
+            during,
+        )  # fmt: skip
         self._members = tuple(s.index for s in members)
         logger.info(
             "weight broadcast group (%s) at %s:%d: learner rank 0 + %d engine(s)",
             sync.method, host, port, len(members),
         )  # fmt: skip
 
+    def _get_all(
+        self, learner: Sequence[Any], workers: Sequence[tuple[Any, Any]], during: str
+    ) -> list[Any]:
+        """The results of calls on learner ranks (`learner`, refs) and on rollout workers
+        (`workers`, (slot, ref) pairs), in that order, calling the learner's `while_waiting`
+        about every second meanwhile (the driver revives a dead Redis there). The first
+        failure ends the wait within a second (the others may be waiting for it in a
+        collective until their timeout): a learner rank's is a LearnerFailed, as in a step,
+        so the run stops the same clean way; a worker's names the worker."""
+        from staleflow.cluster.failures import LearnerFailed, rank_error, remote_cause
 
-def get_all(refs: Sequence[Any]) -> list[Any]:
-    """ray.get of every ref, raising the first failure as soon as it happens (a member that
-    failed would otherwise leave the others waiting for it until their timeout)."""
-    pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
-    return ray.get(list(refs))
+        slot_of = {ref: slot for slot, ref in workers}
+        refs = [*learner, *slot_of]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    if ref not in slot_of:
+                        failure = rank_error(exc)
+                        raise LearnerFailed(
+                            f"a learner rank failed during {during}: {failure}"
+                        ) from exc
+                    cause = remote_cause(exc)
+                    raise RuntimeError(
+                        f"rollout worker {slot_of[ref].index} failed during {during}: "
+                        f"{type(cause).__name__}: {cause}"
+                    ) from exc
+            if pending:
+                self.learner.while_waiting()
+        return list(ray.get(refs))

@@ -151,6 +151,45 @@ def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(
     assert resumed["groups"]["reconciled"]
 
 
+def test_a_learner_rank_dying_in_a_broadcast_stops_the_run_resumably(
+    tmp_path, ray_local, monkeypatch, caplog
+):
+    # The broadcast's calls were gathered without telling the learner's from the engines': a
+    # rank dying in one escaped as a raw ActorDiedError (the run "failed" with a traceback,
+    # no resume line, and tried to checkpoint the dead rank). Injected: rank 0 is killed
+    # for real as the broadcast of v3 starts; it must stop as a learner failure does.
+    import ray
+
+    from staleflow.cluster.weights import WeightSync
+
+    args = ["sync.method=gloo", "sync.offset=0", "run.checkpoint_every=2", "run.name=b"]
+    original = WeightSync.publish
+
+    def rank_0_dies_at_v3(self, version):
+        if version == 3:
+            ray.kill(self.learner.ranks[0])
+        return original(self, version)
+
+    monkeypatch.setattr(WeightSync, "publish", rank_0_dies_at_v3)
+    _cfg, run, summary, _ = run_driver(tmp_path, *args, "run.steps=4")  # returns: clean stop
+    monkeypatch.undo()
+    assert summary["status"] == "failed"
+    assert summary["steps"] == 3
+    assert summary["resume"] == f"staleflow train --resume {run.path}"
+    assert run.latest_checkpoint().name == "step-000002"
+    assert "a learner rank failed during the weight broadcast of v3: ActorDiedError" in (
+        caplog.text
+    )
+    # the stop closes what is left and says which rank could not close (the close of all
+    # ranks at once raised at the dead one: "could not stop the learner", the rest cut short)
+    assert "learner rank 0 did not close: ActorDiedError" in caplog.text
+    assert "could not stop the learner" not in caplog.text
+    more = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=4"])
+    resumed = Driver(more, RunDir(run.path), resume=True).run()
+    assert resumed["status"] == "completed"
+    assert resumed["groups"]["reconciled"]
+
+
 @pytest.mark.parametrize("method", ["gloo", "ipc"])
 def test_async_run_reconciles_with_each_sync_method(tmp_path, ray_local, method):
     _cfg, _run, summary, records = run_driver(
