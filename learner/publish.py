@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -58,6 +59,7 @@ __all__ = [
     "pack_bucket",
     "read_bucket",
     "read_published",
+    "remove_orphaned_files",
     "tensor_layouts",
     "unflatten_tensors",
     "unpack_bucket",
@@ -312,6 +314,43 @@ def check_room(directory: str, nbytes: int, what: str, fix: str, reusable: int =
         raise OSError(
             f"{directory} has {free >> 20} MiB free, {what} needs {nbytes >> 20} MiB: {fix}"
         )
+
+
+def remove_orphaned_files(directory: str, prefix: str, min_age_s: float = 600.0) -> list[str]:
+    """Remove the files `<prefix><pid>-...` in `directory` (shared memory) whose process no
+    longer runs on this machine and that nothing wrote for `min_age_s`: what a process
+    killed while it held one left behind (kill -9 skips its cleanup, and /dev/shm lives
+    until the machine restarts). The age spares a live process this one cannot see (another
+    container's, sharing /dev/shm). Returns the paths removed."""
+    import errno
+
+    pattern = re.compile(rf"{re.escape(prefix)}(\d+)-.+")
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = pattern.fullmatch(name)
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # alive (or alive and another user's: EPERM)
+        except OverflowError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:
+                continue
+        try:
+            if time.time() - os.stat(path).st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def read_bucket(layout: WireLayout, path: str | Path) -> dict[str, np.ndarray]:

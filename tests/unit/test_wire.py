@@ -3,7 +3,11 @@ file in shared memory, and how the vLLM worker extension collects and applies th
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
+import time
 
 import msgpack
 import numpy as np
@@ -20,6 +24,7 @@ from staleflow.learner.publish import (
     layout_bytes,
     pack_bucket,
     read_bucket,
+    remove_orphaned_files,
     unflatten_tensors,
     unpack_bucket,
     write_bucket,
@@ -199,3 +204,24 @@ def test_weights_are_checked_against_the_models_names_and_shapes():
         check_parameter("b", (5,), shapes["b"], shapes)
     with pytest.raises(KeyError, match=r"unknown parameter 'c' \(the model has e.g. b, w, ...\)"):
         check_parameter("c", (1,), shapes.get("c"), shapes)
+
+
+def test_files_of_a_process_killed_mid_load_are_removed_and_no_others(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(gone.stdout)  # a pid no process has now (reused within the test: unlikely)
+    old = time.time() - 3600
+    names = {
+        f"staleflow-weights-{dead}-v3-0": old,  # its process died an hour ago: removed
+        f"staleflow-weights-{dead}-v4-1": time.time(),  # just written: maybe another
+        # container's live engine, whose pid this one cannot see: kept
+        f"staleflow-weights-{os.getpid()}-v3-0": old,  # alive: kept
+        f"staleflow-ipc-run-{dead}": old,  # not an engine's: kept
+    }
+    for name, mtime in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (mtime, mtime))
+    removed = remove_orphaned_files(str(tmp_path), "staleflow-weights-")
+    assert removed == [str(tmp_path / f"staleflow-weights-{dead}-v3-0")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(list(names)[1:])
+    assert remove_orphaned_files(str(tmp_path / "absent"), "staleflow-weights-") == []
