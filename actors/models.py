@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -220,18 +221,36 @@ def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory, converting it from the GGUF on first use."""
     target = cache_dir() / "models" / "smollm2-135m-instruct"
-    if (target / "model.safetensors").is_file():
+    return _made_once(target, "model.safetensors", lambda out: _convert_gguf(_smollm2_gguf(), out))
+
+
+def _made_once(target: Path, last_file: str, make: Callable[[Path], None]) -> Path:
+    """`target`, made by `make(directory)` unless it holds `last_file` already. Processes
+    that start at once (the learner and the workers of one node, all on a fresh cache) make
+    it one at a time under a lock file: the first makes it in a temporary directory and
+    renames that into place (atomic), the others then find it whole. Without the lock one
+    would remove or fail to rename over the directory another had just made."""
+    import fcntl
+
+    if (target / last_file).is_file():
         return target
-    gguf = _smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC)
     try:
-        _convert_gguf(gguf, tmp)
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(target)  # a partial directory from an interrupted conversion
-        tmp.rename(target)  # atomic: readers see all of it or nothing
+        with contextlib.suppress(OSError):  # a file system without locks: as before, unlocked
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (released when fd closes)
+        if (target / last_file).is_file():  # made meanwhile, by the holder before
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            make(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(target)  # a partial directory from an interrupted conversion
+            tmp.rename(target)  # atomic: readers see all of it or nothing
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
     return target
 
 
@@ -281,21 +300,13 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 def tiny_dir(seed: int = 0) -> Path:
     """The tiny model saved as a Hugging Face directory (for engines that load from disk)."""
-    target = cache_dir() / "models" / f"tiny-gpt2-seed{seed}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
-    try:
+
+    def save(out: Path) -> None:
         model, tokenizer = tiny_model(seed)
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+
+    return _made_once(cache_dir() / "models" / f"tiny-gpt2-seed{seed}", "config.json", save)
 
 
 def tiny_model(seed: int = 0) -> tuple[Any, Any]:

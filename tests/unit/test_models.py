@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 
 import pytest
 import torch
@@ -79,6 +81,34 @@ def test_smollm2_without_its_package(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
+def test_processes_converting_one_model_at_once_make_it_once(tmp_path):
+    # The learner and the workers of a node start together on a fresh cache: each converted
+    # the model, and the later ones removed the directory the first had just renamed into
+    # place, or failed to rename over it (OSError: Directory not empty). Two threads stand
+    # in for them here (flock excludes two opens of the lock file, whoever holds them).
+    made: list[str] = []
+
+    def make(out):
+        made.append(threading.current_thread().name)
+        time.sleep(0.3)  # both callers are past the first check by now
+        (out / "weights").write_text("all of it")
+
+    target = tmp_path / "models" / "m"
+    got: list = []
+    threads = [
+        threading.Thread(target=lambda: got.append(models._made_once(target, "weights", make)))
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [target, target]
+    assert len(made) == 1
+    assert (target / "weights").read_text() == "all of it"
+    assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]  # no temp left
+
+
 def test_smollm2_preset_converts_once_and_does_arithmetic():
     # (uses the real cache, so the one-time conversion is shared with later runs)
     model, tokenizer = load_model(ModelConfig(preset="smollm2-135m"))
