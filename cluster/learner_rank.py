@@ -30,7 +30,6 @@ from staleflow.learner.publish import (
     CheckpointPublisher,
     RayPublisher,
     broadcast_send,
-    host_arrays,
     tensor_layouts,
 )
 from staleflow.learner.sync_group import SyncGroup, node_address, ray_place
@@ -171,15 +170,15 @@ class LearnerRank:
 
     def publish(self) -> Any:
         """ray / checkpoint / ipc: every rank gathers (ZeRO-3 needs all); rank 0 returns the
-        published handle. The arrays are host views of the weights (no copy on a CPU
-        learner): the object store or the file takes the one copy; ipc copies the tensors
-        once on their own device."""
+        published handle. The publisher takes the tensors: on a CPU learner host views of
+        them (no copy), the object store or the file taking the one copy; from a GPU, ray
+        copies them to the host a bucket at a time. ipc copies them once on their device."""
         with self.learner.gathered_weights() as tensors:
             if self.rank != 0:
                 return None
             if self.sharer is not None:
                 return self.sharer.share(tensors, self.learner.version, ray_place())
-            return self.publisher.publish(host_arrays(tensors), self.learner.version)
+            return self.publisher.publish(tensors, self.learner.version)
 
     # broadcast methods (nccl, gloo): rank 0 sends to the engines in a group of their own
 

@@ -6,7 +6,9 @@
 
 - `RayPublisher`: buckets of numpy arrays (bfloat16 as int16 views) in the Ray object store;
   numpy crosses zero-copy, and the worker fetches one bucket at a time, so neither side holds
-  a second full copy. `handle` is a small `RayWeights` of object refs.
+  a second full copy. Given tensors on a GPU, it copies them to the host one bucket at a
+  time, each freed once in the store: the learner's host memory holds the store's copy plus
+  one bucket, not two copies. `handle` is a small `RayWeights` of object refs.
 - `CheckpointPublisher`: safetensors plus a version file in a shared directory, written under
   temporary names and renamed, for separately launched jobs; `read_published(dir)` loads the
   newest complete version.
@@ -145,11 +147,15 @@ def bucketize(arrays: Arrays, bucket_bytes: int) -> list[dict[str, np.ndarray]]:
 
 def host_arrays(tensors: Mapping[str, Any], copy: bool = False) -> dict[str, np.ndarray]:
     """numpy arrays of `tensors` (bfloat16 as int16 views, numpy has no bfloat16). A CPU
-    tensor gives a view of its memory unless `copy`; a device tensor is copied to the host."""
+    tensor gives a view of its memory unless `copy`; a device tensor is copied to the host.
+    numpy arrays pass as they are (copied if `copy`)."""
     import torch
 
     out = {}
     for name, tensor in tensors.items():
+        if isinstance(tensor, np.ndarray):
+            out[name] = tensor.copy() if copy else tensor
+            continue
         t = tensor.detach()
         t = t.clone() if copy and t.device.type == "cpu" else t.cpu()
         out[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
@@ -160,12 +166,13 @@ class RayPublisher:
     def __init__(self, bucket_mb: int = 256) -> None:
         self.bucket_bytes = bucket_mb << 20
 
-    def publish(self, arrays: Arrays, version: int) -> RayWeights:
+    def publish(self, arrays: Mapping[str, Any], version: int) -> RayWeights:
+        """`arrays`: numpy arrays, or torch tensors (on any device; see the module doc)."""
         import ray
 
         start = time.perf_counter()
         buckets = bucketize(arrays, self.bucket_bytes)
-        refs = [ray.put(bucket) for bucket in buckets]
+        refs = [ray.put(host_arrays(bucket)) for bucket in buckets]
         return RayWeights(
             version, refs, PublishStats.measure(version, start, arrays, len(refs), "ray")
         )
@@ -183,9 +190,12 @@ class CheckpointPublisher:
         self.directory = Path(directory)
         self.keep = keep
 
-    def publish(self, arrays: Arrays, version: int) -> CheckpointWeights:
+    def publish(self, arrays: Mapping[str, Any], version: int) -> CheckpointWeights:
+        """`arrays`: numpy arrays, or torch tensors (copied to the host at once: the file is
+        written whole)."""
         from safetensors.numpy import save_file
 
+        arrays = host_arrays(arrays)
         start = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"weights-v{version:08d}.safetensors"
@@ -474,6 +484,12 @@ def broadcast_send(
     for bucket in buckets:
         flat, _ = flatten_tensors(bucket, group.device)
         group.broadcast(flat)
+    if str(group.device).startswith("cuda"):
+        import torch
+
+        # NCCL's wait() only orders the current stream after the collective: without this
+        # the time (and GB/s) logged would be the enqueueing, not the broadcast
+        torch.cuda.current_stream(group.device).synchronize()
     method = f"{group.backend} broadcast"
     return BroadcastWeights(
         version, PublishStats.measure(version, start, tensors, len(buckets), method)

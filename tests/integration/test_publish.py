@@ -60,6 +60,24 @@ def test_ray_publish_in_buckets_reaches_an_engine(ray_local):
     assert_engine_has(engine, arrays)
 
 
+def test_ray_publish_takes_tensors_and_stores_them_as_host_arrays(ray_local):
+    # what learner rank 0 now hands it (its gathered tensors; from a GPU each bucket is
+    # copied to the host only when it is put): the store holds numpy, bfloat16 as int16
+    import torch
+
+    tensors = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "h": torch.tensor([1.5, -2.25, 3.0e-3], dtype=torch.bfloat16),
+    }
+    handle = RayPublisher(bucket_mb=0).publish(tensors, version=2)  # one tensor a bucket
+    assert handle.stats.buckets == 2
+    assert handle.stats.bytes == 6 * 4 + 3 * 2
+    got = dict(handle.arrays())
+    assert got["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert got["h"].dtype == np.int16
+    assert torch.equal(torch.from_numpy(got["h"].copy()).view(torch.bfloat16), tensors["h"])
+
+
 def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redis_url):
     # After a sync through the object store, the worker's behaviour log-probs are the
     # learner's own: a step on its fresh groups sees ratio 1 everywhere.
