@@ -187,6 +187,8 @@ class CheckpointPublisher:
     sync.offset > 1 generates batches with versions older than the newest two."""
 
     def __init__(self, directory: str | os.PathLike[str], keep: int | None = None) -> None:
+        if keep is not None and keep < 1:  # ([:-0] would keep every file)
+            raise ValueError(f"keep must be at least 1 (the version just written), got {keep}")
         self.directory = Path(directory)
         self.keep = keep
 

@@ -140,6 +140,9 @@ def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path):
     engine.load_weights(handle.arrays(), handle.version)
     assert engine.version == 2
     assert_engine_has(engine, second)
+    # keep=0 sliced [:-0], which is nothing: every file was kept
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        CheckpointPublisher(tmp_path / "weights", keep=0)
 
 
 def test_reading_before_anything_was_published(tmp_path):
