@@ -229,7 +229,9 @@ def _made_once(target: Path, last_file: str, make: Callable[[Path], None]) -> Pa
     that start at once (the learner and the workers of one node, all on a fresh cache) make
     it one at a time under a lock file: the first makes it in a temporary directory and
     renames that into place (atomic), the others then find it whole. Without the lock one
-    would remove or fail to rename over the directory another had just made."""
+    would remove or fail to rename over the directory another had just made. Where the lock
+    does not hold (no locks on the file system; processes on two nodes sharing it), both
+    make it and the later rename finds the directory made: its copy is dropped."""
     import fcntl
 
     if (target / last_file).is_file():
@@ -244,9 +246,11 @@ def _made_once(target: Path, last_file: str, make: Callable[[Path], None]) -> Pa
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
             make(tmp)
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(target)  # a partial directory from an interrupted conversion
-            tmp.rename(target)  # atomic: readers see all of it or nothing
+            try:
+                tmp.rename(target)  # atomic: readers see all of it or nothing
+            except OSError:  # (ENOTEMPTY) made meanwhile where the lock did not hold
+                if not (target / last_file).is_file():  # (another node, on shared storage)
+                    raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     finally:

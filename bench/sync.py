@@ -48,10 +48,11 @@ class Sender:
         self.sharer: Any = None
 
     def publish(self, method: str, version: int) -> Any:
-        from staleflow.learner.publish import CheckpointPublisher, RayPublisher, host_arrays
+        from staleflow.learner.publish import CheckpointPublisher, RayPublisher
 
-        # from GPU memory, the learner's publish copies the weights to the host each time
-        arrays = self.arrays if self.device == "cpu" else host_arrays(self.tensors)
+        # the learner's tensors, as rank 0 hands them over: from GPU memory each publish
+        # copies them to the host (ray: a bucket at a time)
+        arrays = self.arrays if self.device == "cpu" else self.tensors
         if method == "ray":
             return RayPublisher().publish(arrays, version)
         return CheckpointPublisher(self.directory, keep=2).publish(arrays, version)

@@ -33,6 +33,7 @@ __all__ = [
     "MetricsWriter",
     "RunDir",
     "RunDirBusy",
+    "key_base",
     "read_json_object",
     "read_metrics",
     "write_json",
@@ -97,6 +98,14 @@ def lock_file(path: Path, who: str, what: str) -> int | None:
 _KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as buffer.replay's run names
 
 
+def key_base(name: str) -> str:
+    """The part of a run key before its random suffix: the run's name, cut to 119 characters
+    and with what a key cannot hold (a name made from a config file's name may have spaces)
+    turned into '-'."""
+    base = re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:119]
+    return base if base[:1].isalnum() else f"r{base[:118]}"
+
+
 class RunDirBusy(RuntimeError):
     """Another process holds the run directory (a driver still running there)."""
 
@@ -113,7 +122,11 @@ class RunDir:
         run = cls(Path(output_dir) / name)
         for sub in ("checkpoints", "logs", "control", "plots"):
             (run.path / sub).mkdir(parents=True, exist_ok=True)
-        write_text(run.path / "run-key", f"{name[:119]}-{uuid.uuid4().hex[:8]}\n")
+        try:  # made once: a second train given this name (refused at the lock, after this)
+            with (run.path / "run-key").open("x") as f:  # must not change the first's key
+                f.write(f"{key_base(name)}-{uuid.uuid4().hex[:8]}\n")
+        except FileExistsError:
+            pass
         return run
 
     @property

@@ -488,8 +488,9 @@ class RunSection(Frozen):
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
         description="Run name (null: generated from the config's name and the time); names "
-        "the run directory. Buffer keys, /dev/shm files and Ray names use the run key: the "
-        "name plus a random suffix kept across resumes (the run directory's run-key file).",
+        "the run directory. Buffer keys, sync.method ipc's files in /dev/shm and Ray names use "
+        "the run key: the name plus a random suffix kept across resumes (the run directory's "
+        "run-key file).",
     )
     steps: int = Field(100, ge=1, le=10_000_000, description="Learner steps to train.")
     seed: int = Field(

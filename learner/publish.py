@@ -359,7 +359,7 @@ def remove_orphaned_files(directory: str, prefix: str, min_age_s: float = 600.0)
             if time.time() - os.stat(path).st_mtime < min_age_s:
                 continue
             os.unlink(path)
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile; another user's (/dev/shm is sticky): not ours
             continue
         removed.append(path)
     return removed

@@ -159,6 +159,10 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
     assert "twin-0123abcd, twin-89abcdef; pick one with --run KEY" in both.stderr
     out = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "twin-89abcdef", "--json")
     assert json.loads(out.stdout)["pushed"] == 3
+    # a name stands only for keys made from it: "other" is not run other-run's name
+    out = staleflow("buffer", "stats", "--redis-url", redis_url, "--run", "other")
+    assert out.returncode == 2
+    assert "no run 'other' in the buffer" in out.stderr
 
     run_dir = RunDir.create(str(tmp_path), "job").path  # with its run-key file
     with RedisServer(redis_dir(run_dir)) as server:  # the embedded server of a running job

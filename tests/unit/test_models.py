@@ -80,7 +80,6 @@ def test_smollm2_without_its_package(monkeypatch, tmp_path):
         load_model(ModelConfig(preset="smollm2-135m"))
 
 
-@pytest.mark.slow
 def test_processes_converting_one_model_at_once_make_it_once(tmp_path):
     # The learner and the workers of a node start together on a fresh cache: each converted
     # the model, and the later ones removed the directory the first had just renamed into
@@ -107,8 +106,21 @@ def test_processes_converting_one_model_at_once_make_it_once(tmp_path):
     assert len(made) == 1
     assert (target / "weights").read_text() == "all of it"
     assert sorted(p.name for p in target.parent.iterdir()) == [".m.lock", "m"]  # no temp left
+    # where flock does not hold (another node on shared storage), the later one to finish
+    # finds the directory made when it renames: it keeps that one, whole, not its own
+    other = tmp_path / "models" / "n"
+
+    def made_elsewhere_meanwhile(out):
+        (out / "weights").write_text("mine")
+        other.mkdir()
+        (other / "weights").write_text("theirs")
+
+    assert models._made_once(other, "weights", made_elsewhere_meanwhile) == other
+    assert (other / "weights").read_text() == "theirs"
+    assert sorted(p.name for p in other.parent.iterdir()) == [".m.lock", ".n.lock", "m", "n"]
 
 
+@pytest.mark.slow
 def test_smollm2_preset_converts_once_and_does_arithmetic():
     # (uses the real cache, so the one-time conversion is shared with later runs)
     model, tokenizer = load_model(ModelConfig(preset="smollm2-135m"))

@@ -55,6 +55,13 @@ def test_run_keys_tell_same_named_runs_apart_and_survive_a_move(tmp_path):
     assert RunDir(moved).key == key
     long = RunDir.create(str(tmp_path), "x" * 128)  # the longest name keeps within 128
     assert len(long.key) == 128
+    # a second train given the same name creates the directory again before its lock
+    # refuses it: the first run's key must not change under it
+    assert RunDir.create(str(tmp_path / "b"), "demo").key == second.key
+    # a name made from a config file's name may hold what a key cannot
+    odd = RunDir.create(str(tmp_path), "my exp:1-20261125")
+    assert re.fullmatch(r"my-exp-1-20261125-[0-9a-f]{8}", odd.key)
+    assert re.fullmatch(r"r_x-[0-9a-f]{8}", RunDir.create(str(tmp_path), "_x").key)
     old = tmp_path / "made-before-keys"
     old.mkdir()
     assert RunDir(old).key == "made-before-keys"  # its buffer was keyed by its name
