@@ -347,11 +347,13 @@ def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, mo
     summary = json.loads((tmp_path / "runs/bad/summary.json").read_text())
     assert summary["status"] == "failed"
     # the reason stays with the run, not only on the terminal
-    assert summary["error"].startswith("RewardError: bad-w")  # the worker's id, then why
+    # the worker's id (the run key, then w and its index), then why
+    key = (tmp_path / "runs/bad/run-key").read_text().strip()
+    assert summary["error"].startswith(f"RewardError: {key}-w")
     assert "the reward function failed for 2 of 2 responses" in summary["error"]
     assert "KeyError: 'nope'" in summary["error"]
     log = (tmp_path / "runs/bad/logs/driver.log").read_text()
-    assert "the run failed: RewardError: bad-w" in log
+    assert f"the run failed: RewardError: {key}-w" in log
 
 
 @pytest.mark.slow
