@@ -452,47 +452,63 @@ class LearnerGroup:
         return [r.train.remote(wait_s, publish) for r in self.ranks]
 
     def publish(self) -> Any:
-        return self._on_ranks([r.publish.remote() for r in self.ranks], "a publish")[0]
+        return self.on_ranks([r.publish.remote() for r in self.ranks], "a publish")[0]
 
     def save_shared(self, versions: list[int], directory: str) -> None:
         ref = self.ranks[0].save_shared.remote(versions, os.path.abspath(directory))
-        self._on_ranks([ref], "a checkpoint")
+        self.on_ranks([ref], "a checkpoint")
 
     def settle(self) -> tuple[int, int]:
         """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""
-        return tuple(self._on_ranks([self.ranks[0].settle.remote()], "the stop")[0])  # type: ignore[return-value]
+        return tuple(self.on_ranks([self.ranks[0].settle.remote()], "the stop")[0])  # type: ignore[return-value]
 
     def save(self, path: str, extra: dict[str, Any]) -> None:
         """Every rank checkpoints its part (the held groups are acked by `commit`). Paths
         are made absolute here: a rank's working directory is not the driver's."""
         path = os.path.abspath(path)
-        self._on_ranks([r.save.remote(path, extra) for r in self.ranks], "a checkpoint")
+        self.on_ranks([r.save.remote(path, extra) for r in self.ranks], "a checkpoint")
 
     def commit(self) -> int:
         """Once LATEST names the checkpoint: rank 0 acks the groups it named; how many."""
-        return int(self._on_ranks([self.ranks[0].commit.remote()], "a checkpoint")[0])
+        return int(self.on_ranks([self.ranks[0].commit.remote()], "a checkpoint")[0])
 
     def load(self, path: str | None, step: int) -> int:
         path = os.path.abspath(path) if path is not None else None
-        return int(self._on_ranks([r.load.remote(path, step) for r in self.ranks], "the resume")[0])
+        return int(self.on_ranks([r.load.remote(path, step) for r in self.ranks], "the resume")[0])
 
-    def _on_ranks(self, refs: list[Any], during: str) -> list[Any]:
-        """The results of calls on learner ranks, calling `while_waiting` meanwhile; a rank
-        that died or raised during them (a publish, a checkpoint, ...) is a LearnerFailed, as
-        in a step, so the run stops the same clean way whatever the ranks were doing."""
-        pending = list(refs)
-        try:
-            while pending:
-                done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-                # a rank that failed stops the wait at once: the others may be waiting for
-                # it in a collective, which only the process group's timeout would end
-                ray.get(done)
-                if pending:
-                    self.while_waiting()
-            return list(ray.get(refs))
-        except ray.exceptions.RayError as exc:
-            failure = rank_error(exc)
-            raise LearnerFailed(f"a learner rank failed during {during}: {failure}") from exc
+    def on_ranks(
+        self, refs: Sequence[Any], during: str, workers: Sequence[tuple[Any, Any]] = ()
+    ) -> list[Any]:
+        """The results of calls on learner ranks (`refs`), then of the rollout workers' calls
+        taking part with them (`workers`: (slot, ref) pairs, e.g. a weight broadcast),
+        calling `while_waiting` about every second meanwhile. A rank that died or raised
+        during them (a publish, a checkpoint, ...) is a LearnerFailed, as in a step, so the
+        run stops the same clean way whatever the ranks were doing; a worker's failure
+        names the worker."""
+        slot_of = {ref: slot for slot, ref in workers}
+        every = [*refs, *slot_of]
+        pending = list(every)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            # a call that failed stops the wait at once: the others may be waiting for it
+            # in a collective, which only the process group's timeout would end
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    if ref in slot_of:
+                        cause = remote_cause(exc)
+                        raise RuntimeError(
+                            f"rollout worker {slot_of[ref].index} failed during {during}: "
+                            f"{type(cause).__name__}: {cause}"
+                        ) from exc
+                    failure = rank_error(exc)
+                    raise LearnerFailed(
+                        f"a learner rank failed during {during}: {failure}"
+                    ) from exc
+            if pending:
+                self.while_waiting()
+        return list(ray.get(every))
 
     def kill(self) -> None:
         """Close every rank (its prefetch, trajectory record and shared weights), waiting up

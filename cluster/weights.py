@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from staleflow.learner.ipc import SharedWeights
 
 __all__ = ["WeightSync"]
@@ -54,10 +52,10 @@ class WeightSync:
         members = [s for s in self.pool.slots if not s.retiring]
         if tuple(s.index for s in members) != self._members:
             self._form_group(members)
-        handle = self._get_all(
+        handle = self.learner.on_ranks(
             [r.broadcast.remote(version) for r in self.learner.ranks],
-            [(s, s.handle.receive_broadcast.remote(self._layouts, version)) for s in members],
             f"the weight broadcast of v{version}",
+            [(s, s.handle.receive_broadcast.remote(self._layouts, version)) for s in members],
         )[0]
         for slot in members:
             slot.version = version
@@ -81,10 +79,10 @@ class WeightSync:
         if self._members is not None:
             return
         members = list(self.pool.slots)
-        places = self._get_all(
+        places = self.learner.on_ranks(
             [self.learner.ranks[0].place.remote()],
-            [(s, s.handle.place.remote()) for s in members],
             "the check that every worker is on learner rank 0's node (sync.method ipc)",
+            [(s, s.handle.place.remote()) for s in members],
         )
         names = [f"rollout worker {s.index}" for s in members]
         check_colocated(places[0], dict(zip(names, places[1:], strict=True)))
@@ -97,55 +95,21 @@ class WeightSync:
         if self._layouts is None:
             ranks = self.learner.ranks
             layouts = [r.sync_layouts.remote(sync.bucket_mb << 20) for r in ranks]
-            self._layouts = self._get_all(layouts, [], during)[0]
-        host, port = self._get_all([rank0.sync_address.remote()], [], during)[0]
+            self._layouts = self.learner.on_ranks(layouts, during)[0]
+        host, port = self.learner.on_ranks([rank0.sync_address.remote()], during)[0]
         world = 1 + len(members)
-        self._get_all(
+        self.learner.on_ranks(
             [rank0.open_sync_group.remote(host, port, world)],
+            during,
             [
                 (s, s.handle.join_sync_group.remote(
                     host, port, i + 1, world, sync.method, sync.broadcast_timeout_s
                 ))
                 for i, s in enumerate(members)
             ],
-            during,
         )  # fmt: skip
         self._members = tuple(s.index for s in members)
         logger.info(
             "weight broadcast group (%s) at %s:%d: learner rank 0 + %d engine(s)",
             sync.method, host, port, len(members),
         )  # fmt: skip
-
-    def _get_all(
-        self, learner: Sequence[Any], workers: Sequence[tuple[Any, Any]], during: str
-    ) -> list[Any]:
-        """The results of calls on learner ranks (`learner`, refs) and on rollout workers
-        (`workers`, (slot, ref) pairs), in that order, calling the learner's `while_waiting`
-        about every second meanwhile (the driver revives a dead Redis there). The first
-        failure ends the wait within a second (the others may be waiting for it in a
-        collective until their timeout): a learner rank's is a LearnerFailed, as in a step,
-        so the run stops the same clean way; a worker's names the worker."""
-        from staleflow.cluster.failures import LearnerFailed, rank_error, remote_cause
-
-        slot_of = {ref: slot for slot, ref in workers}
-        refs = [*learner, *slot_of]
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-            for ref in done:
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as exc:
-                    if ref not in slot_of:
-                        failure = rank_error(exc)
-                        raise LearnerFailed(
-                            f"a learner rank failed during {during}: {failure}"
-                        ) from exc
-                    cause = remote_cause(exc)
-                    raise RuntimeError(
-                        f"rollout worker {slot_of[ref].index} failed during {during}: "
-                        f"{type(cause).__name__}: {cause}"
-                    ) from exc
-            if pending:
-                self.learner.while_waiting()
-        return list(ray.get(refs))
