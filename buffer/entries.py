@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from staleflow.buffer.records import Group
 
 __all__ = [
     "GROUP_NAME",
+    "RUN_NAME",
     "BufferFullError",
     "BufferStats",
     "Fields",
@@ -31,6 +33,9 @@ __all__ = [
 ]
 
 GROUP_NAME = "learner"  # the stream's consumer group
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+"""What a run's name in the buffer may be (fullmatch): no ':' (runs() splits keys on it)
+and no glob characters (clear() scans `staleflow:<run>:*`)."""
 Fields = dict[str, bytes | memoryview]
 
 

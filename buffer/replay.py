@@ -23,7 +23,6 @@ module holds them together with the run's statistics and its administration.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import uuid
 from collections.abc import Iterable, Sequence
@@ -40,6 +39,7 @@ from staleflow.buffer.connection import (
 from staleflow.buffer.consumer import Consumer, Sampling
 from staleflow.buffer.entries import (
     GROUP_NAME,
+    RUN_NAME,
     BufferFullError,
     BufferStats,
     Receipt,
@@ -61,8 +61,6 @@ __all__ = [
     "Taken",
     "connect",
 ]
-
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 # ----------------------------------------------------------------------------- the buffer
@@ -103,7 +101,7 @@ class ReplayBuffer:
         dedup_ttl_s: int = 24 * 3600,
         read_ahead: bool = True,
     ) -> None:
-        if not _RUN_NAME.match(run):
+        if not RUN_NAME.fullmatch(run):
             raise ValueError(
                 f"run name {run!r} must be 1-128 letters, digits, '_', '.' or '-', starting "
                 "with a letter or digit"

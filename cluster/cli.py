@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -80,7 +79,7 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
 
     from staleflow.buffer.replay import BufferConnectionError, ReplayBuffer
     from staleflow.buffer.server import RedisServerError, read_server_url, redis_dir
-    from staleflow.cluster.rundir import RunDir, key_base
+    from staleflow.cluster.rundir import RunDir, keys_named
 
     state = _run_state(args.run_dir) if args.run_dir else None
     try:
@@ -110,8 +109,7 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             runs = buffer.runs()
             where = buffer.url_for_display
         if args.run and run not in runs:  # a run's name stands for its key if only one has it
-            mine = re.compile(re.escape(key_base(run)) + "-[0-9a-f]{8}")  # (RunDir.create)
-            named = [key for key in runs if mine.fullmatch(key)]
+            named = keys_named(run, runs)
             if len(named) > 1:
                 raise ValueError(
                     f"{len(named)} runs named {run!r} have a buffer at {where}: "

@@ -25,15 +25,17 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from staleflow.buffer.entries import RUN_NAME
 
 __all__ = [
     "MetricsWriter",
     "RunDir",
     "RunDirBusy",
-    "key_base",
+    "keys_named",
     "read_json_object",
     "read_metrics",
     "write_json",
@@ -95,15 +97,18 @@ def lock_file(path: Path, who: str, what: str) -> int | None:
     return fd
 
 
-_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")  # as buffer.replay's run names
-
-
-def key_base(name: str) -> str:
+def _key_base(name: str) -> str:
     """The part of a run key before its random suffix: the run's name, cut to 119 characters
     and with what a key cannot hold (a name made from a config file's name may have spaces)
     turned into '-'."""
     base = re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:119]
     return base if base[:1].isalnum() else f"r{base[:118]}"
+
+
+def keys_named(name: str, keys: Iterable[str]) -> list[str]:
+    """The run keys among `keys` that `RunDir.create` makes for runs named `name`."""
+    mine = re.compile(re.escape(_key_base(name)) + "-[0-9a-f]{8}")
+    return [key for key in keys if mine.fullmatch(key)]
 
 
 class RunDirBusy(RuntimeError):
@@ -124,7 +129,7 @@ class RunDir:
             (run.path / sub).mkdir(parents=True, exist_ok=True)
         try:  # made once: a second train given this name (refused at the lock, after this)
             with (run.path / "run-key").open("x") as f:  # must not change the first's key
-                f.write(f"{key_base(name)}-{uuid.uuid4().hex[:8]}\n")
+                f.write(f"{_key_base(name)}-{uuid.uuid4().hex[:8]}\n")  # (keys_named)
         except FileExistsError:
             pass
         return run
@@ -140,7 +145,7 @@ class RunDir:
             key = (self.path / "run-key").read_text().strip()
         except FileNotFoundError:
             return self.path.name
-        if not _KEY.fullmatch(key):
+        if not RUN_NAME.fullmatch(key):  # what the buffer takes as a run
             raise ValueError(
                 f"{self.path / 'run-key'} holds {key[:80]!r}, not a run key (letters, digits, "
                 "'_', '.', '-'; at most 128): it was edited or damaged. Put back the key the "
