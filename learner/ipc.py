@@ -46,6 +46,7 @@ from staleflow.learner.publish import (
     check_room,
     flatten_tensors,
     host_arrays,
+    padded_views,
     read_bucket,
     unflatten_tensors,
     unpack_bucket,
@@ -314,14 +315,13 @@ class MappedFiles:
     def write(self, bucket: Mapping[str, np.ndarray], path: str) -> list[Any]:
         """Write `bucket` to the file `path` (made or resized as needed); its layout."""
         layout, views = wire_views(bucket)
-        starts, size = bucket_offsets(v.nbytes for v in views)
+        _, size = bucket_offsets(v.nbytes for v in views)
         target = self._mapping(path, size)
         if target is not None:  # (None: an empty bucket, an empty file)
-            end = 0
-            for view, start in zip(views, starts, strict=True):
-                target[end:start] = bytes(start - end)  # the padding, as write_bucket's
-                target[start : start + view.nbytes] = view
-                end = start + view.nbytes
+            offset = 0
+            for part in padded_views(views):  # write_bucket's bytes, padding included
+                target[offset : offset + len(part)] = part
+                offset += len(part)
         return layout
 
     def _mapping(self, path: str, size: int) -> mmap.mmap | None:

@@ -59,6 +59,7 @@ __all__ = [
     "flatten_tensors",
     "host_arrays",
     "pack_bucket",
+    "padded_views",
     "read_bucket",
     "read_published",
     "remove_orphaned_files",
@@ -284,11 +285,12 @@ def pack_bucket(bucket: Arrays) -> tuple[WireLayout, bytes]:
     pickle, vLLM's IPC), where numpy arrays are not (vLLM's multiprocess mode turns them into
     nested lists). One copy of the bytes; bfloat16 travels as its int16 view."""
     layout, views = wire_views(bucket)
-    return layout, b"".join(_padded(views))
+    return layout, b"".join(padded_views(views))
 
 
-def _padded(views: list[memoryview]) -> Iterator[memoryview | bytes]:
-    """`views` with the zero bytes `bucket_offsets` puts between them."""
+def padded_views(views: list[memoryview]) -> Iterator[memoryview | bytes]:
+    """`views` with the zero bytes `bucket_offsets` puts between them: a bucket's bytes in
+    order, for whatever writes them (bytes, a file, a kept mapping)."""
     starts, _ = bucket_offsets(v.nbytes for v in views)
     end = 0
     for start, view in zip(starts, views, strict=True):
@@ -307,7 +309,7 @@ def write_bucket(bucket: Arrays, path: str | Path) -> WireLayout:
     _, size = bucket_offsets(v.nbytes for v in views)
     same = os.path.exists(path) and os.path.getsize(path) == size
     with open(path, "r+b" if same else "wb") as handle:
-        for view in _padded(views):
+        for view in padded_views(views):
             handle.write(view)
     return layout
 
