@@ -222,8 +222,9 @@ def _add_run_commands(sub: Any) -> None:
     train.add_argument("--workers", type=int, help="rollout workers (rollout.num_workers)")
     train.add_argument(
         "--address",
-        help="join an existing Ray cluster: 'auto' or ray://host:10001 (default: start a "
-        "local one)",
+        help="join an existing Ray cluster: 'auto' or ray://host:10001 (default: "
+        "$RAY_ADDRESS if set, else start a Ray of the run's own, even where `ray start` runs "
+        "on this machine)",
     )
     train.add_argument(
         "--resume",
@@ -277,7 +278,11 @@ def _add_run_commands(sub: Any) -> None:
     sweep.add_argument(
         "--parallel", type=int, default=1, help="cells at once, each a `staleflow train` process"
     )
-    sweep.add_argument("--address", help="run the cells on this Ray cluster ('auto', ray://...)")
+    sweep.add_argument(
+        "--address",
+        help="run the cells on this Ray cluster ('auto', ray://...; default: $RAY_ADDRESS if "
+        "set, else a Ray of the sweep's own)",
+    )
     sweep.add_argument("--dry-run", action="store_true", help="list the cells and exit")
     sweep.add_argument(
         "--report-only", action="store_true", help="rebuild the report from the cells so far"

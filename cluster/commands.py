@@ -240,7 +240,25 @@ def _fail(message: str) -> int:
     return 2
 
 
+def ray_address(given: str | None) -> str | None:
+    """The Ray cluster to join: --address, else $RAY_ADDRESS as Ray's own scripts take it
+    (`ray job submit` sets it to 'auto' for its entrypoint), unless that says 'local'. None
+    starts a Ray of the run's own, even where `ray start` runs on this machine."""
+    if given:
+        return given
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if not env or env == "local":
+        return None
+    print(
+        f"staleflow: joining the Ray cluster at {env} from $RAY_ADDRESS (unset it, or set it "
+        "to 'local', to start a Ray of this run's own)",
+        file=sys.stderr,
+    )
+    return env
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    args.address = ray_address(args.address)
     with contextlib.ExitStack() as held:  # the run directory's lock, until the run ends
         return _train(args, held)
 
@@ -578,6 +596,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     if args.parallel < 1:
         return _fail(f"--parallel must be at least 1, got {args.parallel}")
+    if not args.dry_run and not args.report_only:
+        args.address = ray_address(args.address)
     try:
         sweep = load_sweep(args.sweep_file, output_dir=args.out)
     except ConfigError as exc:

@@ -94,6 +94,14 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
     if cfg is not None:
         needed = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.learner.num_ranks
     cpus = max(os.cpu_count() or 1, math.ceil(needed)) + SCALE_HEADROOM
+    # "local": a Ray of this run's own even where `ray start` left a cluster on this machine
+    # or $RAY_ADDRESS names one (ray.init's default joins those, and then refuses num_cpus
+    # with a bare ValueError); the CLI turns $RAY_ADDRESS into --address before this
+    kwargs["address"] = "local"
+    logger.info(
+        "starting a Ray of this run's own on 127.0.0.1 (%d CPUs); --address auto joins a "
+        "running cluster instead", cpus,
+    )  # fmt: skip
     store = object_store_bytes(cfg) if cfg is not None else None
     if store is None:
         ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)

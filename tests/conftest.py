@@ -47,6 +47,7 @@ def ray_local() -> Iterator[None]:
     import ray
 
     ray.init(
+        address="local",  # never a cluster `ray start` left on this machine
         num_cpus=8,  # logical: two workers and a learner fit, the OS shares the 2 cores
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

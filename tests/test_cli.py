@@ -229,6 +229,20 @@ def test_train_help_lists_every_config_key_with_its_schema_description(capsys):
     assert "Ctrl-C" in out
 
 
+def test_ray_address_defaults_to_the_environment_as_ray_s_own_scripts_do(monkeypatch, capsys):
+    from staleflow.cluster.commands import ray_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address(None) is None  # a Ray of the run's own
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # what `ray job submit` gives its entrypoint
+    assert ray_address(None) == "auto"
+    assert "joining the Ray cluster at auto from $RAY_ADDRESS" in capsys.readouterr().err
+    assert ray_address("10.0.0.1:6379") == "10.0.0.1:6379"  # --address wins
+    for own in ("local", " ", ""):
+        monkeypatch.setenv("RAY_ADDRESS", own)
+        assert ray_address(None) is None
+
+
 def test_options_and_overrides_go_in_any_order():
     # README's cluster example puts an option between the config and its overrides
     from staleflow.cluster.cli import parse

@@ -431,28 +431,81 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path, 
     assert status_of(run)["state"] == "interrupted"
 
 
-@pytest.mark.slow
-def test_train_joins_an_existing_ray_cluster_and_leaves_it_running(tmp_path, ray_local):
-    import ray
+@pytest.fixture
+def ray_started(tmp_path):
+    """A cluster `ray start --head` made on this machine (at 127.0.0.2, so that its node is
+    told apart from a run's own Ray), as a user leaves one running; its address and process.
+    `--block` keeps it in the foreground: SIGTERM stops all of it, not the session's Ray as
+    `ray stop` would. `ray start` records itself in /tmp/ray/ray_current_cluster, where a
+    plain ray.init() finds it; the file is put back as it was."""
+    import subprocess
+    import sys
 
-    address = ray.get_runtime_context().gcs_address  # the session's cluster
+    from staleflow.buffer.ports import free_port
+
+    record = Path("/tmp/ray/ray_current_cluster")
+    before = record.read_bytes() if record.exists() else None
+    port = free_port()
+    address = f"127.0.0.2:{port}"
+    ray = Path(sys.executable).parent / "ray"
+    log = (tmp_path / "ray-start.log").open("wb")
+    proc = subprocess.Popen(
+        [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.2", "--port",
+         str(port), "--num-cpus", "4", "--include-dashboard", "false",
+         "--disable-usage-stats"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: record.exists() and record.read_text().strip() == address,
+            120, "ray start to record its cluster", poll_s=0.2,
+        )  # fmt: skip
+        yield address, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        if before is None:
+            record.unlink(missing_ok=True)
+        else:
+            record.write_bytes(before)
+
+
+def _node_addresses(run: Path) -> set[str]:
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed", summary.get("error")
+    return set(summary["placement"]["node_addresses"].values())
+
+
+@pytest.mark.slow
+def test_train_starts_its_own_ray_beside_a_ray_start_cluster_and_joins_ray_address(
+    tmp_path, ray_started, monkeypatch
+):
+    address, cluster = ray_started
     (tmp_path / "c.yaml").write_text(TINY)
-    proc = staleflow(
-        "train", "c.yaml", "run.name=joined", "run.steps=4", "--address", address, cwd=tmp_path
-    )
+    # Without --address: a Ray of the run's own. ray.init's default joined the recorded
+    # cluster instead, then refused the run's num_cpus with a bare ValueError traceback.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    proc = staleflow("train", "c.yaml", "run.name=own", "run.steps=2", cwd=tmp_path)
     out, _ = proc.communicate(timeout=500)
     assert proc.returncode == 0, out[-3000:]
-    summary = json.loads((tmp_path / "runs/joined/summary.json").read_text())
-    assert summary["status"] == "completed"
-    assert summary["steps"] == 4
+    assert "127.0.0.2" not in _node_addresses(tmp_path / "runs/own")
 
-    # the driver only disconnected: the cluster it joined still runs tasks
-    @ray.remote
-    def add_one(x: int) -> int:
-        return x + 1
-
-    assert ray.get(add_one.remote(41)) == 42
-    assert ray.cluster_resources().get("CPU", 0) >= 1
+    # $RAY_ADDRESS (what `ray job submit` sets for its entrypoint) is the default --address
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    proc = staleflow("train", "c.yaml", "run.name=joined", "run.steps=4", cwd=tmp_path)
+    out, _ = proc.communicate(timeout=500)
+    assert proc.returncode == 0, out[-3000:]
+    assert f"joining the Ray cluster at {address} from $RAY_ADDRESS" in out
+    assert _node_addresses(tmp_path / "runs/joined") == {"127.0.0.2"}
+    assert json.loads((tmp_path / "runs/joined/summary.json").read_text())["steps"] == 4
+    # the driver only disconnected: the cluster it joined still runs (`ray start --block`
+    # exits as soon as one of its processes does)
+    time.sleep(1)
+    assert cluster.poll() is None, (tmp_path / "ray-start.log").read_text()[-2000:]
 
 
 def test_a_whole_batch_the_learner_cannot_take_stops_the_run_saying_where_it_went(
