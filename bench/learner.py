@@ -136,7 +136,7 @@ def main() -> int:
     import ray
 
     learner_vs_bare(args.model, args)
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, configure_logging=False)  # fmt: skip
     for name in ("tiny", "smollm2-135m"):
         sync_costs(name)

@@ -83,6 +83,7 @@ buffer: {{capacity: 100000}}
 
     with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp) as server:
         ray.init(
+            address="local",  # not a cluster `ray start` left on this machine
             num_cpus=args.threads, include_dashboard=False, _node_ip_address="127.0.0.1",
             log_to_driver=False, configure_logging=False,
         )  # fmt: skip
