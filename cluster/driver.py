@@ -531,7 +531,16 @@ class Driver(CheckpointMixin):
             self._deferred_workers = n
             self._publish_when_idle = not self.schedule.lockstep
             return
+        self._deferred_workers = None  # the count asked for now stands (no replacement due)
         self._scale(n)
+
+    def _replace_lost_worker(self) -> None:
+        """Broadcast methods: a worker was lost (its part is redone on another, Rollouts); a
+        new one joins at the next publish, as one `staleflow scale` adds, unless a scale is
+        pending already (its count stands)."""
+        if self._deferred_workers is None:
+            self._deferred_workers = len(self.pool.active) + 1
+        self._publish_when_idle = not self.schedule.lockstep
 
     def _scale(self, n: int) -> None:
         logger.info("scaling rollout workers %d -> %d", len(self.pool.active), n)
@@ -568,6 +577,7 @@ class Driver(CheckpointMixin):
             self.sync.broadcasts,
             f"staleflow train --resume {self.rundir.path}",
             self._on_fault,
+            self._replace_lost_worker,
         )
         self.evaluations = Evaluations(self.pool, self.cfg.task.eval_prompts)
         if self.resumed is not None:

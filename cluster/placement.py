@@ -251,7 +251,8 @@ class WorkerSlot:
     index: int
     handle: Any
     version: int = 0  # the version the actor will have loaded once its queued calls ran
-    busy: Any = None  # ObjectRef of the batch in flight
+    busy: Any = None  # ObjectRef of the batch in flight (the last one queued)
+    calls: int = 0  # batches queued on the actor (a part redone on it waits behind its own)
     retiring: bool = False
     idle_since: float = field(default_factory=time.monotonic)
 
@@ -290,8 +291,10 @@ class WorkerPool:
         return sorted((s for s in self.active if s.busy is None), key=lambda s: s.idle_since)
 
     def finished(self, slot: WorkerSlot) -> None:
-        slot.busy = None
-        slot.idle_since = time.monotonic()
+        slot.calls = max(0, slot.calls - 1)
+        if slot.calls == 0:
+            slot.busy = None
+            slot.idle_since = time.monotonic()
 
     def add(self) -> WorkerSlot:
         """Start a worker; its first batch loads the weights it must use (`run_batch`)."""
@@ -331,6 +334,7 @@ class WorkerPool:
         `ids` = (batch number, first prompt's index in it) fixes the groups' ids."""
         load = self._weights_for(slot, weights)
         slot.busy = slot.handle.run_batch.remote(weights.version, list(prompts), load, ids)
+        slot.calls += 1
         return slot.busy
 
     def evaluate(self, slot: WorkerSlot, weights: Any, n_prompts: int) -> Any:
@@ -357,12 +361,16 @@ class WorkerPool:
         ray.kill(slot.handle)
         self.slots.remove(slot)
 
-    def replace(self, slot: WorkerSlot) -> WorkerSlot:
-        """A new worker in place of a dead (or hung) one, which is killed."""
+    def drop(self, slot: WorkerSlot) -> None:
+        """Forget a dead (or hung) worker, killing what is left of it."""
         with contextlib.suppress(Exception):
             ray.kill(slot.handle)
         if slot in self.slots:
             self.slots.remove(slot)
+
+    def replace(self, slot: WorkerSlot) -> WorkerSlot:
+        """A new worker in place of a dead (or hung) one, which is killed."""
+        self.drop(slot)
         return self.add()
 
 

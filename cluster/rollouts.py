@@ -10,6 +10,7 @@ Group ids are fixed per batch and prompt, so redoing a part pushes nothing twice
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,13 +43,16 @@ class Rollouts:
     """The parts of rollout batches running on `pool` (cluster.placement.WorkerPool).
 
     `on_fault(error, batch)` is told of each part redone. `resume_hint` is the command that
-    resumes the run, for the error when a part cannot be redone (broadcast sync methods)."""
+    resumes the run, for the error when a part cannot be redone (broadcast sync methods, with
+    no live worker holding its version). With broadcast methods `on_lost()` is told of each
+    worker lost, which a new one replaces at the next publish (the driver's job)."""
 
     cfg: Any
     pool: Any
     broadcasts: bool  # sync.method nccl/gloo: a new engine gets weights only at a publish
     resume_hint: str
     on_fault: Callable[[str, int], None]
+    on_lost: Callable[[], None] = lambda: None
     shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part
     _open: dict[int, int] = field(default_factory=dict)  # batch -> parts still running
 
@@ -79,6 +83,10 @@ class Rollouts:
         import ray
 
         shard = self.shards.pop(ref)
+        now = time.monotonic()
+        for queued in self.shards.values():  # a part queued behind this one starts now
+            if queued.slot is shard.slot and queued.started == math.inf:
+                queued.started = now
         try:
             report = ray.get(ref)
         except Exception as exc:
@@ -89,7 +97,7 @@ class Rollouts:
         complete = self._open[shard.batch] == 0
         if complete:
             del self._open[shard.batch]
-        if shard.slot.retiring:
+        if shard.slot.retiring and shard.slot.calls == 0:
             self.pool.remove(shard.slot)
         return shard, report, complete
 
@@ -113,11 +121,8 @@ class Rollouts:
                 f"(rollout.max_restarts={restarts})"
             ) from exc
         if self.broadcasts:
-            raise RuntimeError(
-                f"{where} {what}. With sync.method {self.cfg.sync.method} a new engine gets "
-                "weights only at a publish, so the batch cannot be redone in this "
-                f"run; resume it: {self.resume_hint}"
-            ) from exc
+            self._redo_on_a_member(shard, where, what, exc)
+            return
         logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
                        len(shard.prompts))  # fmt: skip
         retiring = shard.slot.retiring
@@ -127,6 +132,40 @@ class Rollouts:
         shard.hung = False
         shard.failed_at = shard.failed_at or time.monotonic()
         self._run(shard)
+        self.on_fault(what, shard.batch)
+
+    def _redo_on_a_member(self, shard: Shard, where: str, what: str, exc: BaseException) -> None:
+        """Broadcast methods: a new engine gets weights only at a publish, so the part is
+        redone on a live worker of the broadcast group, which holds the part's version (every
+        member holds the last one broadcast, and no publish runs between a batch's start and
+        this: it would have waited for the part). It is queued behind that worker's own part
+        if it has one; an actor runs its calls in order, so a publish asked for later waits
+        for it. The lost worker is replaced at the next publish (`on_lost`)."""
+        lost = shard.slot
+        self.pool.drop(lost)
+        version = shard.weights.version
+        members = [s for s in self.pool.active if s.version == version]
+        if not members:
+            raise RuntimeError(
+                f"{where} {what}. With sync.method {self.cfg.sync.method} a new engine gets "
+                f"weights only at a publish, and no other worker holds v{version}, so the "
+                f"batch cannot be redone in this run; resume it: {self.resume_hint}"
+            ) from exc
+        slot = min(members, key=lambda s: (s.calls, s.idle_since))
+        logger.warning(
+            "%s %s; redoing its %d prompt(s) on rollout worker %d, which holds v%d (with "
+            "sync.method %s a new engine gets weights only at a publish: one joins at the next)",
+            where, what, len(shard.prompts), slot.index, version, self.cfg.sync.method,
+        )  # fmt: skip
+        shard.slot = slot
+        shard.attempts += 1
+        shard.hung = False
+        shard.failed_at = shard.failed_at or time.monotonic()
+        self._run(shard)
+        if slot.calls > 1:  # queued: its clock starts when the part ahead of it ends
+            shard.started = math.inf
+        if not lost.retiring:
+            self.on_lost()
         self.on_fault(what, shard.batch)
 
     def check_hung(self) -> None:

@@ -330,6 +330,74 @@ def test_a_hung_worker_is_killed_and_its_batch_redone(tmp_path, monkeypatch):
     assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 6
 
 
+def _crash_once(tmp_path, monkeypatch) -> list[str]:
+    """A custom task whose reward function kills its own worker process (SIGKILL, as the OOM
+    killer or a driver fault would) the first time it is called, then scores normally."""
+    marker = tmp_path / "crashed-once"
+    (tmp_path / "crashrewards.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os, signal
+            def fn(meta, text):
+                try:  # atomic: only the first call of all workers crashes
+                    os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return float(len(text))
+                os.kill(os.getpid(), signal.SIGKILL)
+            """
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
+        "task.reward_fn=crashrewards:fn",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["lockstep", "async"])
+def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_run_goes_on(
+    tmp_path, monkeypatch, mode
+):
+    # With sync.method gloo/nccl a new engine gets weights only at a publish: a worker lost
+    # mid-batch stopped the run ("the batch cannot be redone in this run; resume it"). Its
+    # part is now redone on a live worker of the broadcast group, which holds the part's
+    # version, and a new worker joins the group at the next publish.
+    schedule = ["sync.interval=2", "sync.offset=0"] if mode == "lockstep" else [
+        "sync.offset=0", "buffer.max_staleness=1"]  # fmt: skip
+    code, out = _train(
+        tmp_path, *_crash_once(tmp_path, monkeypatch), "run.name=b", "run.steps=6",
+        "sync.method=gloo", f"sync.mode={mode}", *schedule,
+    )  # fmt: skip
+    assert code == 0, out[-3000:]
+    run = tmp_path / "runs/b"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed", summary.get("error")
+    assert_reconciled(summary)
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 6 * 2
+    records = list(read_metrics(run / "metrics.jsonl"))
+    [fault] = [r for r in records if r["kind"] == "fault"]
+    assert fault["error"].startswith("failed: ActorDiedError"), fault
+    assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
+    redone = [r for r in records if r["kind"] == "rollout" and r["batch"] == fault["batch"]]
+    assert {r["worker"] for r in redone} <= {0, 1}  # on the survivor, at the part's version
+    assert len({r["policy_version"] for r in redone}) == 1
+    # the new worker (index 2) joined at a publish and generated with the weights broadcast
+    new = [r for r in records if r["kind"] == "rollout" and r["worker"] == 2]
+    assert new, "the replacement worker ran no batch"
+    assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]
+    steps = steps_of(records)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    if mode == "lockstep":  # every lag the formula's, the redone batch's included
+        assert [(s["lag_min"], s["lag_max"]) for s in steps] == [
+            (lag(t, 2, 0), lag(t, 2, 0)) for t in range(1, 7)
+        ]
+    else:
+        assert max(s["lag_max"] for s in steps) <= 1
+
+
 @pytest.mark.slow
 def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, monkeypatch):
     (tmp_path / "badrewards.py").write_text("def fn(meta, text):\n    return meta['nope']\n")

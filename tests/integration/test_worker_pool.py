@@ -45,3 +45,70 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
     finally:
         for slot in list(pool.slots):
             pool.remove(slot)
+
+
+def test_a_part_lost_under_a_broadcast_method_is_queued_on_a_member_holding_its_version(
+    ray_local, redis_url
+):
+    # sync.method gloo/nccl: a new engine gets weights only at a publish, so a lost worker's
+    # part is redone on a live member of the broadcast group, queued behind that member's own
+    # part. Its timeout clock starts when the part ahead of it ends, the member stays busy
+    # until both are back, and the lost worker is reported for replacement (`on_lost`).
+    import itertools
+    import math
+    from types import SimpleNamespace
+
+    from staleflow.actors.tasks import make_task
+    from staleflow.cluster.rollouts import Rollouts
+
+    cfg = parse_config(TINY)
+    pool = WorkerPool(cfg, "lost", redis_url)
+    faults, lost = [], []
+    rollouts = Rollouts(cfg, pool, True, "staleflow train --resume R",
+                        lambda error, batch: faults.append((error, batch)),
+                        lambda: lost.append(True))  # fmt: skip
+    try:
+        for _ in range(2):
+            pool.add()
+        wait_started({"rollout workers": [s.handle for s in pool.slots]}, 300)
+        first, second = pool.slots
+        weights = SimpleNamespace(version=0)  # the initial weights every engine starts with
+        prompts = list(itertools.islice(make_task(cfg.task).train_prompts(), 4))
+        rollouts.start([first, second], 1, weights, prompts)
+        refs = {shard.slot.index: ref for ref, shard in rollouts.shards.items()}
+        ray.kill(first.handle)
+        ray.wait([refs[0]], timeout=60)
+        assert rollouts.finished(refs[0]) is None  # redone, not raised
+        assert first not in pool.slots
+        assert lost == [True]
+        assert faults
+        assert faults[0][0].startswith("failed: ActorDiedError")
+        assert faults[0][1] == 1
+        [(redo_ref, redo)] = [(r, s) for r, s in rollouts.shards.items() if s.attempts == 2]
+        assert redo.slot is second
+        assert redo.prompts == prompts[:2]
+        assert second.calls == 2
+        assert redo.started == math.inf
+
+        shard, _report, complete = rollouts.finished(refs[1])  # the member's own part
+        assert shard.slot is second
+        assert not complete
+        assert redo.started < math.inf  # its clock runs from now
+        assert pool.idle() == []  # still busy with the redone part
+        shard, report, complete = rollouts.finished(redo_ref)
+        assert complete
+        assert report.policy_version == 0
+        assert report.groups == 2
+        assert pool.idle() == [second]
+        assert second.calls == 0
+
+        # the last member lost: nothing holds v0, so the run must stop with the resume command
+        rollouts.start([second], 2, weights, prompts[:2])
+        [ref] = list(rollouts.shards)
+        ray.kill(second.handle)
+        ray.wait([ref], timeout=60)
+        with pytest.raises(RuntimeError, match=r"no other worker holds v0.*resume it: staleflow"):
+            rollouts.finished(ref)
+    finally:
+        for slot in list(pool.slots):
+            pool.drop(slot)
