@@ -277,20 +277,20 @@ def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local)
     assert_reconciled(summary)
 
 
-def _hang_once(tmp_path, monkeypatch) -> list[str]:
-    """A custom task whose reward function hangs the first time it is called (in whichever
-    worker), then scores normally: a real hang in a real worker process."""
-    marker = tmp_path / "hung-once"
-    (tmp_path / "hangrewards.py").write_text(
+def _once(tmp_path, monkeypatch, module: str, first_call: str) -> list[str]:
+    """A custom task whose reward function (in `module`) runs `first_call` the first time it
+    is called in any worker, then scores normally: a real fault in a real worker process."""
+    marker = tmp_path / f"{module}-once"
+    (tmp_path / f"{module}.py").write_text(
         textwrap.dedent(
             f"""
-            import os, time
+            import os, signal, time
             def fn(meta, text):
-                try:  # atomic: only the first call of all workers hangs
+                try:  # atomic: only the first call of all workers misbehaves
                     os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
                 except FileExistsError:
                     return float(len(text))
-                time.sleep(600)
+                {first_call}
                 return float(len(text))
             """
         )
@@ -300,8 +300,19 @@ def _hang_once(tmp_path, monkeypatch) -> list[str]:
     rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return [
-        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", "task.reward_fn=hangrewards:fn",
+        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", f"task.reward_fn={module}:fn",
     ]  # fmt: skip
+
+
+def _hang_once(tmp_path, monkeypatch) -> list[str]:
+    """The first reward call of the run hangs (for 600 s)."""
+    return _once(tmp_path, monkeypatch, "hangrewards", "time.sleep(600)")
+
+
+def _crash_once(tmp_path, monkeypatch) -> list[str]:
+    """The first reward call of the run kills its own worker process (SIGKILL, as the OOM
+    killer would)."""
+    return _once(tmp_path, monkeypatch, "crashrewards", "os.kill(os.getpid(), signal.SIGKILL)")
 
 
 def _train(tmp_path, *args: str) -> tuple[int, str]:
@@ -328,32 +339,6 @@ def test_a_hung_worker_is_killed_and_its_batch_redone(tmp_path, monkeypatch):
     assert [f["error"] for f in faults] == ["hung"]
     assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
     assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 6
-
-
-def _crash_once(tmp_path, monkeypatch) -> list[str]:
-    """A custom task whose reward function kills its own worker process (SIGKILL, as the OOM
-    killer or a driver fault would) the first time it is called, then scores normally."""
-    marker = tmp_path / "crashed-once"
-    (tmp_path / "crashrewards.py").write_text(
-        textwrap.dedent(
-            f"""
-            import os, signal
-            def fn(meta, text):
-                try:  # atomic: only the first call of all workers crashes
-                    os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
-                except FileExistsError:
-                    return float(len(text))
-                os.kill(os.getpid(), signal.SIGKILL)
-            """
-        )
-    )
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    rows = [{"prompt": f"Say something #{i}"} for i in range(40)]
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return [
-        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
-        "task.reward_fn=crashrewards:fn",
-    ]  # fmt: skip
 
 
 @pytest.mark.slow
