@@ -99,8 +99,8 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
     # with a bare ValueError); the CLI turns $RAY_ADDRESS into --address before this
     kwargs["address"] = "local"
     logger.info(
-        "starting a Ray of this run's own on 127.0.0.1 (%d CPUs); --address auto joins a "
-        "running cluster instead", cpus,
+        "starting a Ray of this run's own (%d CPUs); --address auto joins a running cluster "
+        "instead", cpus,
     )  # fmt: skip
     store = object_store_bytes(cfg) if cfg is not None else None
     if store is None:
@@ -251,10 +251,13 @@ class WorkerSlot:
     index: int
     handle: Any
     version: int = 0  # the version the actor will have loaded once its queued calls ran
-    busy: Any = None  # ObjectRef of the batch in flight (the last one queued)
-    calls: int = 0  # batches queued on the actor (a part redone on it waits behind its own)
+    calls: int = 0  # batches in flight on the actor (a part redone on it waits behind its own)
     retiring: bool = False
     idle_since: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        return self.calls > 0
 
 
 @dataclass
@@ -288,12 +291,11 @@ class WorkerPool:
     def idle(self) -> list[WorkerSlot]:
         """Active workers without a batch in flight, longest idle first (so a newly added
         worker is not starved by a fast one that is always idle first)."""
-        return sorted((s for s in self.active if s.busy is None), key=lambda s: s.idle_since)
+        return sorted((s for s in self.active if not s.busy), key=lambda s: s.idle_since)
 
     def finished(self, slot: WorkerSlot) -> None:
         slot.calls = max(0, slot.calls - 1)
-        if slot.calls == 0:
-            slot.busy = None
+        if not slot.busy:
             slot.idle_since = time.monotonic()
 
     def add(self) -> WorkerSlot:
@@ -333,9 +335,9 @@ class WorkerPool:
         """Start a batch at `weights.version` (loaded first at this batch boundary if needed);
         `ids` = (batch number, first prompt's index in it) fixes the groups' ids."""
         load = self._weights_for(slot, weights)
-        slot.busy = slot.handle.run_batch.remote(weights.version, list(prompts), load, ids)
+        ref = slot.handle.run_batch.remote(weights.version, list(prompts), load, ids)
         slot.calls += 1
-        return slot.busy
+        return ref
 
     def evaluate(self, slot: WorkerSlot, weights: Any, n_prompts: int) -> Any:
         load = self._weights_for(slot, weights)
@@ -354,7 +356,7 @@ class WorkerPool:
                 self.add()
         for slot in active[n:]:
             slot.retiring = True
-            if slot.busy is None:
+            if not slot.busy:
                 self.remove(slot)
 
     def remove(self, slot: WorkerSlot) -> None:

@@ -97,7 +97,7 @@ class Rollouts:
         complete = self._open[shard.batch] == 0
         if complete:
             del self._open[shard.batch]
-        if shard.slot.retiring and shard.slot.calls == 0:
+        if shard.slot.retiring and not shard.slot.busy:
             self.pool.remove(shard.slot)
         return shard, report, complete
 

@@ -22,7 +22,7 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
             pool.add()
         wait_started({"rollout workers": [s.handle for s in pool.slots]}, 300)
         first, second = pool.slots
-        second.busy = ray.put("a batch in flight")  # (what run_batch sets; not awaited here)
+        second.calls = 1  # a batch in flight (what run_batch counts; none is started here)
 
         pool.scale(1)  # the busy worker retires when its batch ends, the idle one stays
         assert pool.slots == [first, second]
@@ -39,7 +39,7 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
         assert [s.index for s in pool.active] == [0, 1, 2]
         assert pool._next_index == 3
 
-        second.busy = None
+        second.calls = 0
         pool.scale(1)  # idle workers go at once
         assert [s.index for s in pool.slots] == [0]
     finally:
