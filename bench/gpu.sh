@@ -8,6 +8,8 @@
 #   bash bench/gpu.sh pipeline-vllm  # bench/pipeline.py, SmolLM2, lock-step vs async, vLLM
 #   bash bench/gpu.sh pipeline-hf    # the same with the hf engine
 #   bash bench/gpu.sh pipeline-ipc   # pipeline-vllm with sync.method ipc (CUDA IPC)
+#   bash bench/gpu.sh pipeline-mps   # pipeline-ipc under NVIDIA MPS (kernels of the learner and
+#                                    # vLLM run at once instead of time-sliced)
 #   bash bench/gpu.sh sync           # bench/sync.py: weight publish + load, SmolLM2
 #   bash bench/gpu.sh vllm-load      # bench/vllm_load.py: vLLM's load, shm vs rpc transport
 #   bash bench/gpu.sh all            # every part, one after the other
@@ -15,13 +17,15 @@
 # Each part writes PART.log under $OUT (default ./gpu-results; the quickstart also its run
 # directory, less checkpoints and Redis data), ends with a line "== PART: rc=N in S s", and
 # is cut at its own time limit (PART_LIMIT_S, default 540 s): one hang never eats the next.
+# The pipeline parts run PIPELINE_STEPS steps per schedule (default 20).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|pipeline-ipc|sync|vllm-load|all"
+usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|pipeline-ipc|pipeline-mps|sync|vllm-load|all"
 part=${1:?$usage}
 out=${OUT:-gpu-results}
 limit=${PART_LIMIT_S:-540}
+steps=${PIPELINE_STEPS:-20}
 python=${PYTHON:-python3}
 mkdir -p "$out"
 
@@ -56,13 +60,32 @@ one() {
             return "$rc" ;;
         pipeline-vllm)
             run pipeline-vllm "$python" bench/pipeline.py --model smollm2 --engine vllm \
-                --steps 20 "${share[@]}" ;;
+                --steps "$steps" "${share[@]}" ;;
         pipeline-hf)
             run pipeline-hf "$python" bench/pipeline.py --model smollm2 --engine hf \
-                --steps 20 "${share[@]}" ;;
+                --steps "$steps" "${share[@]}" ;;
         pipeline-ipc)
             run pipeline-ipc "$python" bench/pipeline.py --model smollm2 --engine vllm \
-                --steps 20 --sync-method ipc "${share[@]}" ;;
+                --steps "$steps" --sync-method ipc "${share[@]}" ;;
+        pipeline-mps)
+            # MPS lets the two processes' kernels share the GPU's SMs at once; without it the
+            # GPU time-slices between their contexts. The daemon must start before any CUDA
+            # process of the run (Ray's workers are started by the bench itself).
+            local mps
+            mps=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
+            if [ -z "$mps" ]; then
+                echo "== pipeline-mps: nvidia-cuda-mps-control not found: no MPS here" | tee "$out/pipeline-mps.log"
+                return 2
+            fi
+            export CUDA_MPS_PIPE_DIRECTORY=/tmp/sf-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/sf-mps/log
+            mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+            "$mps" -d || { echo "== pipeline-mps: the MPS daemon did not start" | tee "$out/pipeline-mps.log"; return 2; }
+            run pipeline-mps "$python" bench/pipeline.py --model smollm2 --engine vllm \
+                --steps "$steps" --sync-method ipc "${share[@]}"
+            local rc=$?
+            echo quit | "$mps"
+            cat "$CUDA_MPS_LOG_DIRECTORY"/control.log >>"$out/pipeline-mps.log" 2>/dev/null
+            return "$rc" ;;
         sync) run sync "$python" bench/sync.py --model smollm2-135m ;;
         vllm-load) run vllm-load "$python" bench/vllm_load.py --model smollm2-135m ;;
         *) echo "$usage" >&2; return 2 ;;
@@ -71,7 +94,7 @@ one() {
 
 if [ "$part" = all ]; then
     status=0
-    for p in tests quickstart pipeline-vllm pipeline-hf pipeline-ipc sync vllm-load; do
+    for p in tests quickstart pipeline-vllm pipeline-hf pipeline-ipc pipeline-mps sync vllm-load; do
         one "$p" || status=1
     done
     exit "$status"
