@@ -24,7 +24,7 @@ from staleflow.buffer.replay import ReplayBuffer
 from staleflow.cluster.schedule import groups_per_step
 from staleflow.cluster.trajectories import TrajectoryLog
 from staleflow.learner.feed import BatchFeed
-from staleflow.learner.ipc import WeightSharer
+from staleflow.learner.ipc import WeightSharer, mps_hint
 from staleflow.learner.learner import Learner
 from staleflow.learner.publish import (
     CheckpointPublisher,
@@ -90,6 +90,8 @@ class LearnerRank:
             self.publisher = RayPublisher(cfg.sync.bucket_mb)
         elif cfg.sync.method == "ipc" and rank == 0:
             self.sharer = WeightSharer(cfg.sync.bucket_mb << 20, tag=run_id)
+            if self.learner.device.type == "cuda" and (hint := mps_hint()) is not None:
+                logging.getLogger(__name__).info(hint)
         self.feed: BatchFeed | None = None
         self.trajectories: TrajectoryLog | None = None
         if rank == 0 and redis_url is not None and run_id is not None:

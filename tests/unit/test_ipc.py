@@ -144,6 +144,26 @@ def test_an_allocator_cuda_ipc_cannot_share_from_is_refused(monkeypatch):
     ipc._check_allocator()  # other settings share fine
 
 
+def test_a_learner_sharing_its_gpu_is_told_to_start_mps_unless_a_daemon_serves_it(tmp_path):
+    import socket
+
+    pipe = tmp_path / "mps"
+    pipe.mkdir()
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}
+    hint = ipc.mps_hint(env)
+    assert hint is not None
+    assert f"{pipe}/control is missing" in hint
+    assert "nvidia-cuda-mps-control -d" in hint
+    # the control daemon listens on a Unix socket named `control` in its pipe directory
+    with socket.socket(socket.AF_UNIX) as daemon:
+        daemon.bind(str(pipe / "control"))
+        assert ipc.mps_hint(env) is None
+    # no variable (or an empty one): MPS's default pipe directory
+    default = ipc.mps_hint({"CUDA_MPS_PIPE_DIRECTORY": ""})
+    assert (default is None) == os.path.exists("/tmp/nvidia-mps/control")
+    assert default is None or "/tmp/nvidia-mps/control is missing" in default
+
+
 def test_a_sharer_removes_what_a_killed_run_of_its_name_left(tmp_path):
     for name in ("staleflow-ipc-run-0", "staleflow-ipc-run-1", "staleflow-ipc-run-2-0"):
         (tmp_path / name).write_bytes(b"x")
