@@ -439,7 +439,7 @@ def mps_hint(environ: Mapping[str, str] | None = None) -> str | None:
     return (
         "sync.method ipc: the learner and the rollout workers share this GPU, and no NVIDIA "
         f"MPS daemon serves it ({pipe}/control is missing), so the GPU runs one process's "
-        "kernels at a time and async generation slows the learner's step. For overlap, start "
+        "kernels at a time and generation beside a learner step slows both. For overlap, start "
         'MPS on the node before Ray (`nvidia-cuda-mps-control -d`; README, "GPUs")'
     )
 
