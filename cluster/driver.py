@@ -528,8 +528,7 @@ class Driver(CheckpointMixin):
             # version runs) as soon as the learner is between calls, so the weights
             # published are exactly version `step`.
             logger.info("scaling rollout workers to %d at the next publish", n)
-            self._deferred_workers = n
-            self._publish_when_idle = not self.schedule.lockstep
+            self._scale_at_next_publish(n)
             return
         self._deferred_workers = None  # the count asked for now stands (no replacement due)
         self._scale(n)
@@ -538,8 +537,13 @@ class Driver(CheckpointMixin):
         """Broadcast methods: a worker was lost (its part is redone on another, Rollouts); a
         new one joins at the next publish, as one `staleflow scale` adds, unless a scale is
         pending already (its count stands)."""
-        if self._deferred_workers is None:
-            self._deferred_workers = len(self.pool.active) + 1
+        pending = self._deferred_workers
+        self._scale_at_next_publish(len(self.pool.active) + 1 if pending is None else pending)
+
+    def _scale_at_next_publish(self, n: int) -> None:
+        """Broadcast methods: `n` workers from the next publish (`_publish` scales first);
+        async publishes as soon as the learner is between calls, lock-step on its schedule."""
+        self._deferred_workers = n
         self._publish_when_idle = not self.schedule.lockstep
 
     def _scale(self, n: int) -> None:

@@ -73,7 +73,8 @@ class Rollouts:
     def _run(self, shard: Shard) -> None:
         ref = self.pool.run_batch(shard.slot, shard.weights, shard.prompts,
                                   (shard.batch, shard.first))  # fmt: skip
-        shard.started = time.monotonic()
+        # queued behind a part on the same worker: its clock starts when that one ends
+        shard.started = time.monotonic() if shard.slot.calls == 1 else math.inf
         self.shards[ref] = shard
 
     def finished(self, ref: Any) -> tuple[Shard, Any, bool] | None:
@@ -162,8 +163,6 @@ class Rollouts:
         shard.hung = False
         shard.failed_at = shard.failed_at or time.monotonic()
         self._run(shard)
-        if slot.calls > 1:  # queued: its clock starts when the part ahead of it ends
-            shard.started = math.inf
         if not lost.retiring:
             self.on_lost()
         self.on_fault(what, shard.batch)
