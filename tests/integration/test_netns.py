@@ -30,7 +30,8 @@ from staleflow.cluster.rundir import RunDir
 from tests.integration.test_system import assert_reconciled
 from tests.integration.tiny import TINY
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# one xdist worker runs the whole module: its namespaces are a module fixture (made once)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("netns")]
 
 SUBNET = "10.231.0"
 UNROUTED = "10.232.0.1"  # on the head node only: no other node has a route to it

@@ -17,7 +17,8 @@ from staleflow.cluster.sweep_report import write_sweep_report
 from staleflow.cluster.trajectories import read_trajectories, replay
 from tests.integration.tiny import TINY, run_driver
 
-pytestmark = pytest.mark.integration
+# one xdist worker runs the whole module: the sweep it checks is a module fixture (run once)
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("study")]
 
 REPO = Path(__file__).resolve().parents[2]
 
