@@ -12,6 +12,7 @@
 #                                    # vLLM run at once instead of time-sliced)
 #   bash bench/gpu.sh sync           # bench/sync.py: weight publish + load, SmolLM2
 #   bash bench/gpu.sh vllm-load      # bench/vllm_load.py: vLLM's load, shm vs rpc transport
+#   bash bench/gpu.sh flatten        # bench/flatten.py: the publish's per-tensor copy vs one cat
 #   bash bench/gpu.sh all            # every part, one after the other
 #
 # Each part writes PART.log under $OUT (default ./gpu-results; the quickstart also its run
@@ -21,7 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|pipeline-ipc|pipeline-mps|sync|vllm-load|all"
+usage="usage: bash bench/gpu.sh tests|quickstart|pipeline-vllm|pipeline-hf|pipeline-ipc|pipeline-mps|sync|vllm-load|flatten|all"
 part=${1:?$usage}
 out=${OUT:-gpu-results}
 limit=${PART_LIMIT_S:-540}
@@ -88,13 +89,14 @@ one() {
             return "$rc" ;;
         sync) run sync "$python" bench/sync.py --model smollm2-135m ;;
         vllm-load) run vllm-load "$python" bench/vllm_load.py --model smollm2-135m ;;
+        flatten) run flatten "$python" bench/flatten.py --model smollm2-135m --rounds 21 ;;
         *) echo "$usage" >&2; return 2 ;;
     esac
 }
 
 if [ "$part" = all ]; then
     status=0
-    for p in tests quickstart pipeline-vllm pipeline-hf pipeline-ipc pipeline-mps sync vllm-load; do
+    for p in tests quickstart pipeline-vllm pipeline-hf pipeline-ipc pipeline-mps sync vllm-load flatten; do
         one "$p" || status=1
     done
     exit "$status"

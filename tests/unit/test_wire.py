@@ -142,6 +142,29 @@ def test_mixed_dtypes_start_aligned_so_each_can_be_viewed_in_its_own(tmp_path):
     assert (tmp_path / "kept").read_bytes() == data
 
 
+def test_flatten_writes_the_bytes_the_numpy_paths_write_for_any_tensor_and_no_tensor():
+    # flatten_tensors copies each tensor into its slice: a transposed (non-contiguous)
+    # tensor, a 0-d one and an empty one land where pack_bucket puts their bytes, and the
+    # padding between them is zeros whatever memory torch.empty handed out
+    tensors = {
+        "t": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(),  # 24 bytes at 0
+        "s": torch.tensor(-1.5, dtype=torch.bfloat16),  # 2 bytes at 32
+        "e": torch.zeros((0, 5), dtype=torch.float32),  # 0 bytes at 48
+        "b": torch.tensor([True, False, True]),  # 3 bytes at 48
+        "i": torch.tensor([9], dtype=torch.int32),  # 4 bytes at 64
+    }
+    flat, layout = flatten_tensors(tensors, "cpu")
+    arrays = {n: (t.view(torch.int16) if n == "s" else t).numpy() for n, t in tensors.items()}
+    _, data = pack_bucket(arrays)
+    assert len(data) == 68
+    assert bytes(flat.numpy()) == data
+    for name, t in unflatten_tensors(flat, layout).items():
+        assert torch.equal(t, tensors[name])
+    empty, none = flatten_tensors({}, "cpu")
+    assert empty.numel() == 0
+    assert none == []
+
+
 class Runner:
     """Records what vLLM's model runner would be asked to load (the extension's collecting of
     buckets is under test here; vLLM's own loading is in tests/vllm_cpu)."""
