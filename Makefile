@@ -54,8 +54,9 @@ redis:
 # The suite on PYTEST_WORKERS processes (pytest-xdist). Most of its time is whole runs: their
 # start (Ray actors importing torch and transformers) is CPU-bound, but some tests mostly wait
 # (a batch timeout, slow rewards, a Ctrl-C), and a second process runs another test meanwhile.
-# Measured on 2 cores: 29:37 on one process, 25:30 on two. A module marked xdist_group stays on
-# one process (its module-scoped fixture is built once). PYTEST_WORKERS=0: no worker processes.
+# Measured on 2 cores: 29:37 on one process, 25:30 and 27:52 on two. A module marked
+# xdist_group stays on one process (its module-scoped fixture is built once).
+# PYTEST_WORKERS=0: no worker processes.
 PYTEST_WORKERS ?= 2
 test: lint redis
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup
