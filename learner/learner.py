@@ -228,6 +228,12 @@ class Learner:
                 grad_norms.append(norm)
         if self.world_size > 1:  # each rank summed over its shard: the batch's are the totals
             sums, extrema = _all_reduce_metrics(sums, extrema, self.device)
+        if self.device.type == "cuda":
+            # The last optimizer step's kernels are still queued here: wait for them, so the
+            # step's time (time_step_s) is the step's and a publish after it times only itself
+            # (its own synchronize used to absorb them). A publish or the next step would wait
+            # for them anyway.
+            torch.cuda.synchronize(self.device)
         self.version += 1
         elapsed = time.perf_counter() - start
         tokens = int(batch.response_mask.sum())
