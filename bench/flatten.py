@@ -19,45 +19,30 @@ reach the copy engine's bandwidth: `bash bench/gpu.sh flatten` measures it.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from sync import median_time  # bench/sync.py: warm-up, then the median of the rounds
 
 
 def one_cat(bucket: dict[str, Any], device: Any) -> Any:
     """The alternative: the same bytes in the same places, in one torch.cat."""
-    from staleflow.learner.publish import ALIGN, _entry_bytes, bucket_offsets
+    from staleflow.learner.publish import ALIGN, bucket_offsets
 
-    shapes = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in bucket.values()]
-    starts, end = bucket_offsets(_entry_bytes(shape, dtype) for shape, dtype in shapes)
+    views = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in bucket.values()]
+    starts, end = bucket_offsets(v.numel() for v in views)
     flat = torch.empty(end, dtype=torch.uint8, device=device)
     zeros = torch.zeros(ALIGN - 1, dtype=torch.uint8, device=device)
     pieces, done = [], 0
-    for tensor, start in zip(bucket.values(), starts, strict=True):
+    for view, start in zip(views, starts, strict=True):
         if start > done:
             pieces.append(zeros[: start - done])
-        t = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        pieces.append(t)
-        done = start + t.numel()
+        pieces.append(view)
+        done = start + view.numel()
     if pieces:
         torch.cat(pieces, out=flat)
     return flat
-
-
-def timed(fn: Callable[[], Any], sync: Callable[[], None], rounds: int) -> float:
-    fn()  # warm-up: the allocator's first blocks, the kernels' first launch
-    sync()
-    runs = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        sync()
-        runs.append(time.perf_counter() - start)
-    return statistics.median(runs)
 
 
 def main() -> int:
@@ -87,10 +72,12 @@ def main() -> int:
         return 1
     del shipped
     source = torch.empty(nbytes, dtype=torch.uint8, device=args.device)
-    results = {
-        "shipped": timed(lambda: flatten_tensors(tensors, args.device), sync, args.rounds),
-        "one cat": timed(lambda: one_cat(tensors, args.device), sync, args.rounds),
-        "memcpy": timed(lambda: source.clone(), sync, args.rounds),
+    results = {  # each timed up to the device's synchronize
+        "shipped": median_time(
+            lambda: (flatten_tensors(tensors, args.device), sync()), args.rounds
+        ),
+        "one cat": median_time(lambda: (one_cat(tensors, args.device), sync()), args.rounds),
+        "memcpy": median_time(lambda: (source.clone(), sync()), args.rounds),
     }
     print(
         f"[{args.model}, {len(tensors)} tensors, {nbytes / 1e6:.0f} MB, {args.device}, "
