@@ -26,7 +26,7 @@ from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag, rollout_version
 from staleflow.configs import parse_config
 from tests.integration.test_system import assert_reconciled, ctrl_c, staleflow, status_of, wait_for
-from tests.integration.tiny import TINY, run_driver, steps_of
+from tests.integration.tiny import ONE_WORKER, TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +35,7 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     tmp_path, ray_local
 ):
     base = ["run.name=r", "run.checkpoint_every=2", "sync.offset=1", "run.keep_checkpoints=2"]
+    base.append(ONE_WORKER)
     _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=5")
     assert first["status"] == "completed"
     # checkpoints at 2, 4 and the end (5); the oldest is pruned
@@ -79,7 +80,7 @@ def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(
 ):
     # The driver dies just before its checkpoint at step 4 (injected): steps 3 and 4 were
     # trained but only the checkpoint at step 2 exists, and their groups were never acked.
-    base = ["run.name=c", "run.checkpoint_every=2", "run.steps=4"]
+    base = ["run.name=c", "run.checkpoint_every=2", "run.steps=4", ONE_WORKER]
     original = Driver._checkpoint
 
     def dies_at_step_4(self):
@@ -120,7 +121,7 @@ def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
     # it (injected; the chaos test's driver SIGKILL once landed there). The groups of steps 3
     # and 4 must still be in the buffer: acking them before LATEST moved lost them, and the
     # resume from step 2 then trained later batches' groups at step 3 (a negative lag).
-    base = ["run.name=l", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1"]
+    base = ["run.name=l", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1", ONE_WORKER]
     original = RunDir.mark_latest_checkpoint
 
     def dies_before_latest_at_step_4(self, path):
@@ -176,7 +177,7 @@ def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
 
     monkeypatch.setattr(LearnerGroup, "commit", redis_dies_first)
     _cfg, _run, summary, _ = run_driver(
-        tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1"
+        tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1", ONE_WORKER
     )
     assert killed
     assert summary["status"] == "completed", summary
@@ -196,7 +197,7 @@ def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
 
     from staleflow.cluster.placement import LearnerGroup
 
-    base = ["run.name=k", "run.checkpoint_every=2", "run.steps=6", "sync.offset=1"]
+    base = ["run.name=k", "run.checkpoint_every=2", "run.steps=6", "sync.offset=1", ONE_WORKER]
     original = LearnerGroup.save
 
     def rank_0_dies_at_step_4(self, path, extra):
@@ -248,7 +249,12 @@ def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_loc
     monkeypatch.setattr(LearnerGroup, "train", rank_1_fails)
     started = time.monotonic()
     _cfg, run, summary, _ = run_driver(
-        tmp_path, "run.name=m", "learner.num_ranks=2", "run.steps=6", "run.checkpoint_every=2"
+        tmp_path,
+        "run.name=m",
+        "learner.num_ranks=2",
+        "run.steps=6",
+        "run.checkpoint_every=2",
+        ONE_WORKER,
     )
     assert summary["status"] == "failed"
     assert summary["steps"] == 2
@@ -262,7 +268,7 @@ def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local)
     # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
     base = [
         "run.name=z", "run.checkpoint_every=2", "learner.num_ranks=4", "learner.zero_stage=2",
-        "rollout.num_workers=1",
+        ONE_WORKER,
     ]  # fmt: skip
     _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=2")
     assert first["status"] == "completed", first
@@ -329,7 +335,9 @@ def test_a_hung_worker_is_killed_and_its_batch_redone(tmp_path, monkeypatch):
     task = _hang_once(tmp_path, monkeypatch)
     # the timeout covers a replacement's start too (a Ray worker process, torch's import,
     # the model: 5-15 s on a loaded 2-core machine), so keep it well above
-    code, out = _train(tmp_path, *task, "run.name=h", "run.steps=3", "rollout.batch_timeout_s=40")
+    code, out = _train(
+        tmp_path, *task, "run.name=h", "run.steps=3", "rollout.batch_timeout_s=40", ONE_WORKER
+    )
     assert code == 0, out[-3000:]
     run = tmp_path / "runs/h"
     summary = json.loads((run / "summary.json").read_text())
@@ -529,7 +537,12 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     # rewrote summary.json as "failed after 0 steps, MISMATCH"; an edited config.json
     # trained the rest of the run with another loss.
     _cfg, run, first, _ = run_driver(
-        tmp_path, "run.name=d", "run.checkpoint_every=2", "run.steps=4", "run.tensorboard=true"
+        tmp_path,
+        "run.name=d",
+        "run.checkpoint_every=2",
+        "run.steps=4",
+        "run.tensorboard=true",
+        ONE_WORKER,
     )
     assert first["status"] == "completed"
     ckpt = run.checkpoints / "step-000004"
@@ -593,7 +606,7 @@ def test_a_resume_refuses_a_task_file_edited_since_its_checkpoint(tmp_path, ray_
         f"task.path={data}",
         "task.reward_fn=tests.integration.rewards:length",
     ]
-    args = [*task, "run.name=t", "run.checkpoint_every=1"]
+    args = [*task, "run.name=t", "run.checkpoint_every=1", ONE_WORKER]
     cfg, run, first, _ = run_driver(tmp_path, *args, "run.steps=2")
     assert first["status"] == "completed"
     state = json.loads((run.checkpoints / "step-000002/trainer.json").read_text())["extra"]
@@ -623,7 +636,7 @@ def test_a_resumed_run_trains_as_the_uninterrupted_run(tmp_path, ray_local):
     # A batch redone after the resume, or first run by a new worker process, used to sample
     # other responses (its seed counted the worker's own batches, from 0 in every new
     # process): from the first step after the checkpoint, the runs diverged.
-    args = ["run.checkpoint_every=2", "sync.offset=1"]
+    args = ["run.checkpoint_every=2", "sync.offset=1", ONE_WORKER]
     _cfg, _whole, _, whole = run_driver(tmp_path, "run.name=whole", *args, "run.steps=5")
     _cfg, part, _, records = run_driver(tmp_path, "run.name=part", *args, "run.steps=3")
     # as a batch that finished after the checkpoint at step 3 (before a kill -9) records it

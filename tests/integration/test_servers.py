@@ -13,7 +13,7 @@ from staleflow.buffer.replay import ReplayBuffer
 from staleflow.buffer.server import RedisServer
 from tests.integration.test_buffer import group
 from tests.integration.test_system import assert_reconciled
-from tests.integration.tiny import run_driver, steps_of
+from tests.integration.tiny import ONE_WORKER, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def test_buffer_contract_on_each_server(external):
 
 def test_a_run_on_each_external_server_reconciles(tmp_path, ray_local, external):
     _, run, summary, records = run_driver(
-        tmp_path, f"buffer.redis_url={external.url}", "sync.offset=1", "run.steps=4"
+        tmp_path, f"buffer.redis_url={external.url}", "sync.offset=1", "run.steps=4", ONE_WORKER
     )
     assert summary["status"] == "completed"
     assert len(steps_of(records)) == 4
@@ -73,7 +73,7 @@ def test_two_runs_given_one_name_keep_their_own_buffers_on_a_shared_server(
     # Both runs are named twin, in two output directories, on one server. The second one's
     # start empties its own buffer only: the first's stays whole (its leftovers, its counts),
     # as a resume of it needs them. They were both keyed `twin`, so the second start wiped it.
-    shared = (f"buffer.redis_url={redis_url}", "run.name=twin", "run.steps=2")
+    shared = (f"buffer.redis_url={redis_url}", "run.name=twin", "run.steps=2", ONE_WORKER)
     _, first, done, _ = run_driver(tmp_path / "a", *shared)
     _, second, again, _ = run_driver(tmp_path / "b", *shared)
     assert first.key != second.key

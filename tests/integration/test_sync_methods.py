@@ -14,7 +14,7 @@ from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag
 from staleflow.configs import parse_config
 
-from .tiny import TINY, run_driver, steps_of
+from .tiny import ONE_WORKER, TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def test_checkpoint_method_keeps_every_version_a_large_offset_still_needs(tmp_pa
     """Lock-step I=1, O=3: batch t is generated with v(t-4) while v(t-1) is the newest, so
     four published versions are in use at once. The learner used to keep only the newest two
     files, and the end checkpoint (which saves the versions still needed) failed."""
-    args = ["run.name=o3", "sync.method=checkpoint", "sync.offset=3", "run.steps=8"]
+    args = [ONE_WORKER, "run.name=o3", "sync.method=checkpoint", "sync.offset=3", "run.steps=8"]
     _cfg, run, summary, records = run_driver(tmp_path, *args)
     assert summary["status"] == "completed"
     assert summary["groups"]["reconciled"]
@@ -86,7 +86,8 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     files), the checkpoint at step 6 gets v4-v5 from rank 0, and the resumed run loads them
     through the object store. Its end checkpoint at step 7 needs v5 (from the object store)
     and v6 (shared by the resumed learner): both are written."""
-    args = ["run.name=ipc", "sync.method=ipc", "sync.offset=2", "run.checkpoint_every=6"]
+    args = [ONE_WORKER, "run.name=ipc", "sync.method=ipc", "sync.offset=2"]
+    args.append("run.checkpoint_every=6")
     shm_before = ipc_files()
     _cfg, run, summary, records = run_driver(tmp_path, *args, "run.steps=6")
     assert summary["status"] == "completed"
