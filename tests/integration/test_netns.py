@@ -28,7 +28,7 @@ import pytest
 
 from staleflow.cluster.rundir import RunDir
 from tests.integration.test_system import assert_reconciled
-from tests.integration.tiny import TINY
+from tests.integration.tiny import ONE_WORKER, TINY
 
 # one xdist worker runs the whole module: its namespaces are a module fixture (made once)
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("netns")]
@@ -256,7 +256,7 @@ def test_an_external_server_on_the_head_serves_a_cluster_joined_separately(nodes
         work = _run_dir(nodes, server)
         code, out = nodes.train(
             "run.name=external", "run.steps=3", 'learner.resources={"node1": 1}',
-            'rollout.resources={"rollout": 1}', cwd=work,
+            'rollout.resources={"rollout": 1}', ONE_WORKER, cwd=work,
             env={"STALEFLOW_REDIS_URL": f"redis://:{password}@{nodes.addresses[0]}:6392"},
         )  # fmt: skip
     finally:
@@ -279,7 +279,8 @@ def test_a_worker_that_cannot_reach_redis_fails_at_start_naming_the_address(node
     started = time.monotonic()
     code, out = nodes.train(
         "run.name=unreachable", "run.steps=4", 'learner.resources={"head": 1}',
-        'rollout.resources={"rollout": 1}', cwd=work, env={"STALEFLOW_REDIS_URL": url},
+        'rollout.resources={"rollout": 1}', ONE_WORKER, cwd=work,
+        env={"STALEFLOW_REDIS_URL": url},
     )  # fmt: skip
     took = time.monotonic() - started
     assert code == 2, out[-4000:]
@@ -316,7 +317,7 @@ def test_a_learner_that_does_not_see_the_run_directory_fails_at_start(nodes):
     work.mkdir()
     code, out = nodes.train(
         "run.name=private", "run.steps=2", 'learner.resources={"node2": 1}',
-        'rollout.resources={"rollout": 1}', "rollout.num_workers=1", cwd=work,
+        'rollout.resources={"rollout": 1}', ONE_WORKER, cwd=work,
     )  # fmt: skip
     assert code == 2, out[-4000:]
     error = next(line for line in out.splitlines() if line.startswith("error: "))

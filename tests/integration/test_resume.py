@@ -399,11 +399,11 @@ def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, mo
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     code, out = _train(
         tmp_path, "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
-        "task.reward_fn=badrewards:fn", "run.name=bad", "run.steps=2",
+        "task.reward_fn=badrewards:fn", "run.name=bad", "run.steps=2", ONE_WORKER,
     )  # fmt: skip
     assert code == 2, out[-3000:]
-    # one prompt x 2 samples per worker, the first traceback quoted
-    assert "the reward function failed for 2 of 2 responses" in out
+    # one worker: 2 prompts x 2 samples, the first traceback quoted
+    assert "the reward function failed for 4 of 4 responses" in out
     assert "KeyError: 'nope'" in out
     summary = json.loads((tmp_path / "runs/bad/summary.json").read_text())
     assert summary["status"] == "failed"
@@ -411,7 +411,7 @@ def test_a_failing_reward_function_stops_the_run_with_its_traceback(tmp_path, mo
     # the worker's id (the run key, then w and its index), then why
     key = (tmp_path / "runs/bad/run-key").read_text().strip()
     assert summary["error"].startswith(f"RewardError: {key}-w")
-    assert "the reward function failed for 2 of 2 responses" in summary["error"]
+    assert "the reward function failed for 4 of 4 responses" in summary["error"]
     assert "KeyError: 'nope'" in summary["error"]
     log = (tmp_path / "runs/bad/logs/driver.log").read_text()
     assert f"the run failed: RewardError: {key}-w" in log

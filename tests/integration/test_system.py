@@ -21,7 +21,7 @@ from staleflow.cluster.rundir import read_metrics
 from staleflow.cluster.schedule import ScheduleError, check_schedule, lag, rollout_version
 from staleflow.configs import parse_config
 from tests.integration.procs import staleflow
-from tests.integration.tiny import TINY, run_driver, steps_of
+from tests.integration.tiny import ONE_WORKER, TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_two_learner_ranks_train_on_groups_that_never_pass_through_the_driver(
     for module, name in ((codec, "decode"), (codec, "decode_fields"), (consumer, "decode_fields")):
         monkeypatch.setattr(module, name, refuse)
     _, run, summary, records = run_driver(
-        tmp_path, "learner.num_ranks=2", "sync.offset=1", "run.steps=4"
+        tmp_path, "learner.num_ranks=2", "sync.offset=1", "run.steps=4", ONE_WORKER
     )
     assert summary["status"] == "completed"
     assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 1, 1) for t in range(1, 5)]
@@ -422,7 +422,7 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path, 
     (tmp_path / "c.yaml").write_text(TINY)
     proc = staleflow(
         "train", "c.yaml", "run.name=stopped", "sync.mode=async", "run.steps=100000",
-        cwd=tmp_path,
+        ONE_WORKER, cwd=tmp_path,
     )  # fmt: skip
     run = tmp_path / "runs" / "stopped"
     wait_for(lambda: status_of(run).get("step", 0) >= 3, 300, "step 3")
@@ -501,14 +501,14 @@ def test_train_starts_its_own_ray_beside_a_ray_start_cluster_and_joins_ray_addre
     # Without --address: a Ray of the run's own. ray.init's default joined the recorded
     # cluster instead, then refused the run's num_cpus with a bare ValueError traceback.
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    proc = staleflow("train", "c.yaml", "run.name=own", "run.steps=2", cwd=tmp_path)
+    proc = staleflow("train", "c.yaml", "run.name=own", "run.steps=2", ONE_WORKER, cwd=tmp_path)
     out, _ = proc.communicate(timeout=500)
     assert proc.returncode == 0, out[-3000:]
     assert "127.0.0.2" not in _node_addresses(tmp_path / "runs/own")
 
     # $RAY_ADDRESS (what `ray job submit` sets for its entrypoint) is the default --address
     monkeypatch.setenv("RAY_ADDRESS", address)
-    proc = staleflow("train", "c.yaml", "run.name=joined", "run.steps=4", cwd=tmp_path)
+    proc = staleflow("train", "c.yaml", "run.name=joined", "run.steps=4", ONE_WORKER, cwd=tmp_path)
     out, _ = proc.communicate(timeout=500)
     assert proc.returncode == 0, out[-3000:]
     assert f"joining the Ray cluster at {address} from $RAY_ADDRESS" in out
@@ -541,7 +541,7 @@ def test_a_whole_batch_the_learner_cannot_take_stops_the_run_saying_where_it_wen
 
     monkeypatch.setattr(LearnerGroup, "train", learner_gets_nothing)
     with pytest.raises(BatchStalled) as err:
-        run_driver(tmp_path, "run.name=stall", "sync.offset=0", "run.steps=2")
+        run_driver(tmp_path, "run.name=stall", "sync.offset=0", "run.steps=2", ONE_WORKER)
     assert waits[-1] == driver.COMPLETE_BATCH_WAIT_S  # the call made once batch 1 was whole
     message = str(err.value)
     assert "batch 1 was pushed whole but the learner took fewer than its 2 groups" in message
