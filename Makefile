@@ -54,7 +54,8 @@ redis:
 # The suite on PYTEST_WORKERS processes (pytest-xdist). Most of its time is whole runs: their
 # start (Ray actors importing torch and transformers) is CPU-bound, but some tests mostly wait
 # (a batch timeout, slow rewards, a Ctrl-C), and a second process runs another test meanwhile.
-# Measured on 2 cores: 29:37 on one process, 25:30 and 27:52 on two. A module marked
+# Measured on 2 cores: 26:01 and 24:56 on two processes (the second while .ci/run built the
+# image beside it; 29:37 on one process before the tests' one-worker runs). A module marked
 # xdist_group stays on one process (its module-scoped fixture is built once).
 # PYTEST_WORKERS=0: no worker processes.
 PYTEST_WORKERS ?= 2
@@ -62,7 +63,8 @@ test: lint redis
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The CPU image (docker/Dockerfile.cpu) built with podman and smoke-tested, plus the wheel
-# stage of the GPU image: see docker/build.sh. About 6 minutes the first time; CI runs it.
+# stage of the GPU image: see docker/build.sh. About 5-6 minutes the first time; CI runs it
+# beside `make test`.
 image:
 	bash docker/build.sh
 
