@@ -34,8 +34,10 @@ pytestmark = pytest.mark.integration
 def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step(
     tmp_path, ray_local
 ):
-    base = ["run.name=r", "run.checkpoint_every=2", "sync.offset=1", "run.keep_checkpoints=2"]
-    base.append(ONE_WORKER)
+    base = [
+        "run.name=r", "run.checkpoint_every=2", "sync.offset=1", "run.keep_checkpoints=2",
+        ONE_WORKER,
+    ]  # fmt: skip
     _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=5")
     assert first["status"] == "completed"
     # checkpoints at 2, 4 and the end (5); the oldest is pruned

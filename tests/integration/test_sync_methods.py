@@ -88,8 +88,9 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     files), the checkpoint at step 6 gets v4-v5 from rank 0, and the resumed run loads them
     through the object store. Its end checkpoint at step 7 needs v5 (from the object store)
     and v6 (shared by the resumed learner): both are written."""
-    args = [ONE_WORKER, "run.name=ipc", "sync.method=ipc", "sync.offset=2"]
-    args.append("run.checkpoint_every=6")
+    args = [
+        "run.name=ipc", "sync.method=ipc", "sync.offset=2", "run.checkpoint_every=6", ONE_WORKER,
+    ]  # fmt: skip
     shm_before = ipc_files()
     _cfg, run, summary, records = run_driver(tmp_path, *args, "run.steps=6")
     assert summary["status"] == "completed"

@@ -75,6 +75,7 @@ def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, inte
     # (With one optimizer step per batch, every lock-step run checks the same: the driver
     # stops a run whose step has another lag, Schedule.check_lag.)
     steps = 22
+    workers = 2 if (interval, offset) in SPLIT else 1
     _cfg, _run, summary, records = run_driver(
         tmp_path,
         "sync.mode=lockstep",
@@ -83,7 +84,7 @@ def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, inte
         f"run.steps={steps}",
         "learner.mini_batches=2",
         "learner.epochs=2",
-        f"rollout.num_workers={2 if (interval, offset) in SPLIT else 1}",
+        f"rollout.num_workers={workers}",
     )
     assert summary["status"] == "completed"
     got = [(r["step"], r["lag_min"], r["lag_max"]) for r in steps_of(records)]
@@ -96,7 +97,6 @@ def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, inte
         assert set(summary["trained_by_version"]) == {0}
     assert_reconciled(summary)
     # with two workers, every batch was split over both
-    workers = 2 if (interval, offset) in SPLIT else 1
     by_batch: dict[int, set[int]] = {}
     for r in records:
         if r["kind"] == "rollout":

@@ -19,9 +19,9 @@ run: {tensorboard: false}
 """
 
 
-# For a run whose test does not need a batch split over workers: one rollout actor fewer. On
-# the 2-core CI machine a tiny run costs about 25 CPU-seconds, most of it each actor process
-# importing torch and transformers; the second worker is about 6 of them.
+# For a run whose test does not need a batch split over workers: one rollout actor fewer. On a
+# 2-core machine a tiny run cost about 25 CPU-seconds (one run, measured per process), most of
+# it each actor process importing torch and transformers; the second worker about 6 of them.
 ONE_WORKER = "rollout.num_workers=1"
 
 
