@@ -219,6 +219,15 @@ def check_schedule(cfg: Any) -> None:
                 f"buffer.max_staleness={buf.max_staleness} is below {least}, the lag that "
                 f"publishing every {sync.interval} step(s) implies; raise it to at least {least}"
             )
+    sequences = per_step * cfg.rollout.group_size
+    if cfg.learner.mini_batches > sequences:
+        # _split would make only `sequences` optimizer steps, while the learning-rate schedule
+        # and a resume count mini_batches x epochs of them per learner step
+        raise ScheduleError(
+            f"learner.mini_batches={cfg.learner.mini_batches} is more than the {sequences} "
+            f"sequences of a step ({per_step} groups x rollout.group_size "
+            f"{cfg.rollout.group_size}); set it to at most {sequences}"
+        )
     if cfg.rollout.prompts_per_batch > buf.capacity:
         raise ScheduleError(
             f"buffer.capacity ({buf.capacity}) must hold one rollout batch "

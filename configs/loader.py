@@ -30,6 +30,7 @@ __all__ = [
     "dump_config",
     "load_config",
     "parse_config",
+    "password_masked",
     "redact",
     "redacted_dict",
 ]
@@ -115,6 +116,14 @@ def redact(text: str) -> str:
     ?password=... -> ?password=***). Only URLs with a scheme: in free text `a:b@c` is not
     always a credential (a path may hold one); see `redact_url` for a value known to be a URL."""
     return _QUERY_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1***@", text))
+
+
+def password_masked(url: str) -> bool:
+    """True if `url` carries a password that `redact` masked (in its user part or as a
+    ?password= option): the real one is not stored, and connecting with '***' would fail."""
+    return any(m.group(0).endswith("***@") for m in _URL_PASSWORD.finditer(url)) or any(
+        m.group(0).endswith("=***") for m in _QUERY_PASSWORD.finditer(url)
+    )
 
 
 def redacted_dict(cfg: RunConfig) -> dict[str, Any]:

@@ -8,11 +8,12 @@ description says.
 
 from __future__ import annotations
 
+import os
 import re
-from typing import ClassVar, Literal
-from urllib.parse import urlsplit
+from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import parse_qs, urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from staleflow.configs.losses import AdvantageConfig, Frozen, LossConfig, ReinforceLoss
 
@@ -32,6 +33,11 @@ __all__ = [
 
 _TASK_NAME = re.compile(r"^(arithmetic|digits|gsm8k|custom|reasoning_gym:[A-Za-z0-9_]+)$")
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_WEEK_S = 7 * 86400.0  # the bound on timeouts: an infinite one overflows where it is used
+_SEED_MAX = 2**32 - 1  # seeds are combined with batch numbers into torch's 64-bit seeds
+# A path as a shell would read it: ~ and ~user are the home directory (a YAML file's
+# `output_dir: ~/runs` would otherwise make a directory named '~' here).
+UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 
 
 class ModelConfig(Frozen):
@@ -40,13 +46,15 @@ class ModelConfig(Frozen):
     preset: Literal["tiny", "smollm2-135m"] | None = Field(
         None, description="Shipped model: 'tiny' (random GPT-2, tests) or 'smollm2-135m'."
     )
-    path: str | None = Field(
+    path: UserPath | None = Field(
         None, description="Local Hugging Face model directory (instead of a preset)."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter dtype for training and rollout."
     )
-    seed: int = Field(0, ge=0, description="Seed that builds the 'tiny' preset's weights.")
+    seed: int = Field(
+        0, ge=0, le=_SEED_MAX, description="Seed that builds the 'tiny' preset's weights."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:
@@ -72,15 +80,17 @@ class TaskConfig(Frozen):
     format_reward: float = Field(
         0.0, ge=0.0, le=1.0, description="Arithmetic: extra reward for a well-formed answer."
     )
-    path: str | None = Field(
+    path: UserPath | None = Field(
         None, description="gsm8k / custom: local JSONL file of problems (custom: prompts)."
     )
-    eval_path: str | None = Field(None, description="gsm8k: local JSONL file of held-out problems.")
+    eval_path: UserPath | None = Field(
+        None, description="gsm8k: local JSONL file of held-out problems."
+    )
     reward_fn: str | None = Field(
         None, description="custom: reward function as 'package.module:function'."
     )
     chat_template: bool = Field(True, description="Wrap prompts in the model's chat template.")
-    seed: int = Field(0, ge=0, description="Seed of the training prompt stream.")
+    seed: int = Field(0, ge=0, le=_SEED_MAX, description="Seed of the training prompt stream.")
     eval_prompts: int = Field(
         64, ge=0, le=100_000, description="Held-out prompts per evaluation (0 disables eval)."
     )
@@ -127,6 +137,17 @@ class TaskConfig(Frozen):
             )
         if self.name == "custom" and self.path is None:
             raise ValueError("task 'custom' needs task.path, a local JSONL file of prompts")
+        # A file or function given to a task that never reads it would be ignored silently:
+        # the run would train on (and evaluate) something else than the user believes.
+        readers = {"path": ("gsm8k", "custom"), "eval_path": ("gsm8k",), "reward_fn": ("custom",)}
+        for key, names in readers.items():
+            if getattr(self, key) is not None and self.name not in names:
+                raise ValueError(
+                    f"task.{key} is read only by task {' or '.join(map(repr, names))}, but "
+                    f"task.name is {self.name!r}: set task.name, or remove task.{key}"
+                    + (" (custom tasks hold out task.eval_fraction of task.path)"
+                       if key == "eval_path" else "")
+                )  # fmt: skip
         return self
 
 
@@ -209,6 +230,7 @@ class RolloutConfig(Frozen):
     seed: int = Field(
         0,
         ge=0,
+        le=_SEED_MAX,
         description="Base sampling seed: a batch's samples are seeded by it, the batch number "
         "and its first prompt, on whichever worker (a redone batch samples alike).",
     )
@@ -227,6 +249,7 @@ class RolloutConfig(Frozen):
     batch_timeout_s: float = Field(
         1800.0,
         gt=0.0,
+        le=_WEEK_S,
         description="Seconds a rollout batch may take (a replacement worker's start and model "
         "load included) before its worker counts as hung: it is killed and replaced, and the "
         "batch redone.",
@@ -279,10 +302,16 @@ class BufferConfig(Frozen):
         "this). Lock-step: must be at least the schedule's largest lag, or the run is refused.",
     )
     push_timeout_s: float = Field(
-        300.0, gt=0.0, description="Seconds a producer waits on a full buffer before failing."
+        300.0,
+        gt=0.0,
+        le=_WEEK_S,
+        description="Seconds a producer waits on a full buffer before failing.",
     )
     claim_idle_s: float = Field(
-        60.0, gt=0.0, description="Seconds before a dead consumer's pending groups are reclaimed."
+        60.0,
+        gt=0.0,
+        le=_WEEK_S,
+        description="Seconds before a dead consumer's pending groups are reclaimed.",
     )
     persistence: bool = Field(
         True,
@@ -315,7 +344,9 @@ def redis_url_problem(url: str) -> str | None:
         return "must start with redis://, rediss:// or unix://"
     parts = urlsplit(url)
     if url.startswith("unix://"):
-        return None if parts.path else "needs the socket's path, e.g. unix:///run/redis.sock"
+        if not parts.path:
+            return "needs the socket's path, e.g. unix:///run/redis.sock"
+        return _query_problem(url)
     if "@" in url.partition("://")[2] and "@" not in parts.netloc:
         return (
             "has its password cut short by a '/', '?' or '#' in it: percent-encode those "
@@ -330,6 +361,37 @@ def redis_url_problem(url: str) -> str | None:
     db = parts.path.strip("/")
     if db and not db.isdigit():  # redis-py would quietly use database 0
         return f"names database {db!r}, which is not a number, e.g. redis://host:6379/0"
+    return _query_problem(url)
+
+
+_BUFFER_OWN_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors", "protocol"})
+
+
+def _query_problem(url: str) -> str | None:
+    """What redis-py would refuse in the URL's ?options, only once it makes its first
+    connection (a value it cannot read: ValueError; a name its connections do not take:
+    TypeError), or None."""
+    import inspect
+
+    import redis.connection as rc
+
+    kind = {"rediss": rc.SSLConnection, "unix": rc.UnixDomainSocketConnection}
+    connection = kind.get(url.partition("://")[0], rc.Connection)
+    known = {"db", "username", "password"}
+    for cls in connection.__mro__:
+        if "__init__" in vars(cls):
+            known.update(inspect.signature(vars(cls)["__init__"]).parameters)
+    parsers: dict[str, Any] = rc.URL_QUERY_ARGUMENT_PARSERS
+    for name, values in parse_qs(urlsplit(url).query).items():
+        if name in _BUFFER_OWN_OPTIONS:  # the buffer reads bytes, replies as in RESP2
+            return f"has the option {name!r}, which the buffer sets itself: remove it"
+        if name not in known or name in ("self", "args", "kwargs"):
+            return f"has the option {name!r}, which redis-py's connections do not take: remove it"
+        if name in parsers:
+            try:
+                parsers[name](values[0])
+            except (TypeError, ValueError):
+                return f"has {name}={values[0]!r}, which redis-py cannot read as a {name}"
     return None
 
 
@@ -463,19 +525,21 @@ class SyncConfig(Frozen):
     broadcast_timeout_s: float = Field(
         900.0,
         gt=0.0,
+        le=_WEEK_S,
         description="nccl / gloo: seconds a broadcast waits for every engine to join "
         "(workers join after their current batch).",
     )
     bucket_mb: int = Field(
         256, ge=1, le=65_536, description="Size of one weight-transfer bucket in MiB."
     )
-    checkpoint_dir: str | None = Field(
+    checkpoint_dir: UserPath | None = Field(
         None, description="method checkpoint: shared directory (null: <run dir>/weights)."
     )
     object_store_mb: int | None = Field(
         None,
-        ge=64,
-        description="A Ray started by staleflow: object store size in MiB, pre-faulted at start "
+        ge=75,  # Ray's minimum
+        description="A Ray started by staleflow: object store size in MiB (at least 75, Ray's "
+        "minimum), pre-faulted at start "
         "so publishes do not page-fault (null: with method ray, 4 copies of the model's "
         "weights + 512 MiB; else Ray's default). A joined cluster keeps its own setting.",
     )
@@ -496,10 +560,11 @@ class RunSection(Frozen):
     seed: int = Field(
         0,
         ge=0,
+        le=_SEED_MAX,
         description="The learner's seed (RED-Drop). Prompt order: task.seed; sampling: "
         "rollout.seed.",
     )
-    output_dir: str = Field("runs", min_length=1, description="Parent of the run directory.")
+    output_dir: UserPath = Field("runs", min_length=1, description="Parent of the run directory.")
     log_every: int = Field(
         1,
         ge=1,
@@ -526,6 +591,7 @@ class RunSection(Frozen):
     start_timeout_s: float = Field(
         600.0,
         gt=0.0,
+        le=_WEEK_S,
         description="Seconds the learner and workers may take to start (place, load the "
         "model) before the run fails with what the cluster has free.",
     )
