@@ -71,7 +71,12 @@ def read_server_url(data_dir: str | Path) -> str:
         raise RedisServerError(
             f"no embedded Redis server recorded at {path}; is the run still going?"
         ) from None
-    except (ValueError, KeyError) as exc:
+    except PermissionError:  # written 0600: it holds the server's password
+        raise RedisServerError(
+            f"cannot read {path}: it is readable only by the user who started the run (it "
+            "holds the server's password); run this as that user"
+        ) from None
+    except (ValueError, KeyError, TypeError) as exc:
         raise RedisServerError(f"{path} is not a server record: {exc}") from None
 
 

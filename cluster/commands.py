@@ -348,7 +348,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError
     from staleflow.buffer.server import RedisServerError
-    from staleflow.cluster.failures import BatchStalled, ClusterUnreachable
+    from staleflow.cluster.failures import BatchStalled, ClusterUnreachable, RayStartError
     from staleflow.cluster.placement import ActorStartError
 
     try:
@@ -362,7 +362,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     except (
         ModelError, TaskError, BufferConnectionError, RedisServerError, ResumeError,
         RewardError, PromptTooLongError, ActorStartError, ConfigError, ClusterUnreachable,
-        BatchStalled,
+        BatchStalled, RayStartError,
     ) as exc:  # fmt: skip
         return _fail(f"{exc} (run directory: {run.path})")
     finally:
@@ -384,6 +384,7 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
     from staleflow.cluster.resume import ResumeError, check_resumable, resume_overrides_allowed
     from staleflow.cluster.rundir import RunDir
     from staleflow.configs import ConfigError, load_config
+    from staleflow.configs.loader import password_masked
 
     if config is not None:
         if "=" not in config:
@@ -401,7 +402,7 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
     url = cfg.buffer.redis_url
     if (
         url is not None
-        and "***@" in url
+        and password_masked(url)
         and not any(o.startswith("buffer.redis_url=") for o in overrides)
     ):
         from staleflow.cluster.services import redis_url_from_env
@@ -517,6 +518,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from staleflow.actors.worker import PromptTooLongError, RewardError, RolloutWorker
     from staleflow.configs import ConfigError, load_config, parse_config
     from staleflow.configs.schema import TaskConfig
+    from staleflow.learner.device import DeviceError
 
     target = Path(args.target)
     overrides = list(args.overrides)
@@ -551,6 +553,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 f"{target} is neither a run directory (config.json) nor a Hugging Face model "
                 "directory (config.json + model.safetensors)"
             )
+        check_engine_installed(cfg, None)  # the engine runs in this process
     except ConfigError as exc:
         return _fail(str(exc))
     if cfg.task.eval_prompts == 0:  # a run that evaluated nothing: evaluate as by default
@@ -565,7 +568,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             version, arrays = weights
             worker.load_weights(arrays, version)
         report = worker.evaluate()
-    except (ModelError, TaskError, RewardError, PromptTooLongError) as exc:
+    except (ModelError, TaskError, RewardError, PromptTooLongError, DeviceError) as exc:
         return _fail(str(exc))
     result = {"target": str(target), "version": version, "task": cfg.task.name, **vars(report)}
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
@@ -666,7 +669,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from staleflow.actors.models import ModelError
     from staleflow.cluster.trajectories import ReplayError, replay
+    from staleflow.learner.device import DeviceError
 
     def on_step(step: int, metrics: dict[str, float]) -> None:
         print(f"step {step}: loss {metrics['loss']:.6g}, grad_norm {metrics['grad_norm']:.6g}")
@@ -675,8 +680,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         result = replay(
             args.run_dir, steps=args.steps, rtol=args.rtol, atol=args.atol, on_step=on_step
         )
-    except (ReplayError, FileNotFoundError) as exc:
+    except (ReplayError, FileNotFoundError, ModelError) as exc:
         return _fail(str(exc))
+    except DeviceError as exc:  # replay takes no overrides: the run's learner, as it was
+        return _fail(f"{exc} (replay rebuilds the run's learner as it ran: replay this run on "
+                     "a machine with a GPU)")  # fmt: skip
     worst = ", ".join(f"{k} {v:.1e}" for k, v in sorted(result.worst.items()))
     print(f"replayed {result.steps} steps; largest relative differences: {worst}")
     if result.ok:

@@ -146,7 +146,7 @@ class Driver(CheckpointMixin):
                 )  # fmt: skip
                 self._dispatch(idle[:1], version)
             if not self.flow.running and self.flow.untrained() < self.schedule.G:
-                raise RuntimeError(
+                raise BatchStalled(
                     f"async schedule stalled at step {self.step}: no batch may start "
                     f"(buffer.max_staleness={self.cfg.buffer.max_staleness}) and the buffer "
                     f"holds {self.flow.untrained()} of the {self.schedule.G} groups a step "

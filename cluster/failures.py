@@ -6,7 +6,14 @@ from __future__ import annotations
 import logging
 import re
 
-__all__ = ["BatchStalled", "ClusterUnreachable", "LearnerFailed", "rank_error", "remote_cause"]
+__all__ = [
+    "BatchStalled",
+    "ClusterUnreachable",
+    "LearnerFailed",
+    "RayStartError",
+    "rank_error",
+    "remote_cause",
+]
 
 logger = logging.getLogger(__name__)
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
@@ -16,9 +23,16 @@ class ClusterUnreachable(RuntimeError):
     """`--address` names no Ray cluster this process can join (nothing has started yet)."""
 
 
+class RayStartError(RuntimeError):
+    """The run's own Ray refused to start (e.g. an object store larger than the machine's
+    memory); the message says which setting to change."""
+
+
 class BatchStalled(RuntimeError):
-    """A lock-step batch was pushed whole, yet the learner could not take it: its groups were
-    refused or dropped by the buffer, or taken by another consumer (the message says which)."""
+    """The schedule cannot go on: a lock-step batch was pushed whole, yet the learner could
+    not take it (its groups were refused or dropped by the buffer, or taken by another
+    consumer), or no async batch may start and the buffer holds less than a step (the message
+    says which)."""
 
 
 class LearnerFailed(RuntimeError):

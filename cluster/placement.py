@@ -30,7 +30,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
 from staleflow.buffer.ports import free_port
-from staleflow.cluster.failures import ClusterUnreachable, LearnerFailed, rank_error, remote_cause
+from staleflow.cluster.failures import (
+    ClusterUnreachable,
+    LearnerFailed,
+    RayStartError,
+    rank_error,
+    remote_cause,
+)
 from staleflow.cluster.learner_rank import LearnerRank
 from staleflow.cluster.resources import ipc_bundle
 from staleflow.learner.device import hidden_gpus_env
@@ -39,6 +45,7 @@ from staleflow.learner.sync_group import node_address
 __all__ = [
     "ActorStartError",
     "LearnerGroup",
+    "StartTimeout",
     "WorkerPool",
     "learner_threads",
     "object_store_bytes",
@@ -113,8 +120,8 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
     if not prefault:
         logger.warning(
             "/dev/shm has less free space than the %d MiB object store: Ray will keep it on "
-            "disk, and weight publishes will be slower (give the container a larger /dev/shm, "
-            "e.g. docker --shm-size)", store >> 20,
+            "disk (one over 10 GB it refuses), and weight publishes will be slower (give the "
+            "container a larger /dev/shm, e.g. docker --shm-size)", store >> 20,
         )  # fmt: skip
     system: dict[str, Any] = {"preallocate_plasma_memory": prefault}
     if prefault:
@@ -122,13 +129,22 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
         # 10 one-second attempts: faulting 2.7 GB in took 9.4 s on a 2-core machine, so a
         # run failed to start now and then. Allow 1 s per 100 MB on top.
         system["raylet_client_num_connect_attempts"] = 10 + math.ceil(store / 100e6)
-    ray.init(
-        num_cpus=cpus,
-        _node_ip_address="127.0.0.1",
-        object_store_memory=store,
-        _system_config=system,
-        **kwargs,
-    )
+    try:
+        ray.init(
+            num_cpus=cpus,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=store,
+            _system_config=system,
+            **kwargs,
+        )
+    except ValueError as exc:  # Ray checks the store's size against memory and /dev/shm
+        # (the GCS server it started before the check exits with this process)
+        raise RayStartError(
+            f"Ray did not start with a {store >> 20} MiB object store: {exc} Set "
+            "sync.object_store_mb to what this machine holds (at least 75), or, with "
+            "sync.method ray and no object_store_mb, choose another sync.method: the default "
+            "store is 4 copies of the weights + 512 MiB"
+        ) from None
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -421,7 +437,7 @@ class LearnerGroup:
             )
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.group)
-            raise TimeoutError(
+            raise StartTimeout(
                 f"the learner's {learner.num_ranks} rank(s) (bundles {bundles}) were not placed "
                 f"within {timeout:g} s (run.start_timeout_s); the cluster has "
                 f"{ray.available_resources()} free of {ray.cluster_resources()}"
@@ -567,6 +583,11 @@ class ActorStartError(RuntimeError):
     (the whole traceback goes to the driver's log)."""
 
 
+class StartTimeout(ActorStartError, TimeoutError):
+    """Actors were not placed, or did not finish starting, within run.start_timeout_s; the
+    message says what the cluster has free."""
+
+
 def _last_error(exc: Exception) -> str:
     """'SomeError: message' of the exception a remote constructor raised (Ray hands it on
     only as traceback text), else the text's last line."""
@@ -610,7 +631,7 @@ def wait_started(roles: dict[str, Sequence[Any]], timeout_s: float) -> None:
         late = Counter(role_of[ref] for ref in pending)
         total = Counter(role_of.values())
         which = ", ".join(f"{n} of {total[what]} {what}" for what, n in late.items())
-        raise TimeoutError(
+        raise StartTimeout(
             f"{which} did not start within {timeout_s:g} s "
             f"(run.start_timeout_s); the cluster has {ray.available_resources()} free of "
             f"{ray.cluster_resources()}: an actor that fits on no node waits for resources, "

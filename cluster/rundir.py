@@ -159,6 +159,13 @@ class RunDir:
                 f"{self.path} is not a staleflow run directory (no config.json); pass the "
                 "directory `staleflow train` printed, e.g. runs/<name>"
             )
+        if (self.path / "tokenizer_config.json").is_file() or any(
+            self.path.glob("*.safetensors")
+        ):  # its config.json is a model's: nothing here may be written to or read as a run's
+            raise FileNotFoundError(
+                f"{self.path} is a Hugging Face model directory, not a staleflow run "
+                "directory; pass the directory `staleflow train` printed, e.g. runs/<name>"
+            )
         return self
 
     config = property(lambda self: self.path / "config.json")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from staleflow.buffer.codec import decode, encode
+from staleflow.buffer.codec import RecordError, decode, encode
 from staleflow.buffer.records import Group
 
 __all__ = [
@@ -139,8 +139,14 @@ def _records(path: Path) -> Iterator[tuple[int, bytes]]:
 
 
 def _read_groups(path: Path) -> Iterator[Group]:
-    for _, data in _records(path):
-        yield decode(data)
+    for end, data in _records(path):
+        try:
+            yield decode(data)
+        except RecordError as exc:
+            raise ReplayError(
+                f"{path}: the record ending at byte {end} is damaged ({exc}); the run cannot "
+                "be replayed from it"
+            ) from None
 
 
 def _single_rank_environment() -> None:
@@ -181,14 +187,17 @@ def replay(
 
     from staleflow.cluster.placement import learner_threads
     from staleflow.cluster.rundir import RunDir, read_metrics
-    from staleflow.configs import parse_config
+    from staleflow.configs import ConfigError, parse_config
     from staleflow.learner.learner import Learner
 
     if steps is not None and steps < 1:
         raise ReplayError(f"--steps must be at least 1, got {steps}")
     run = RunDir(Path(run_dir)).check_exists()
-    cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
-    recorded, groups = read_trajectories(run.trajectories)
+    recorded, groups = read_trajectories(run.trajectories)  # first: a model dir has none
+    try:
+        cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
+    except ConfigError as exc:  # edited by hand, or from another staleflow version
+        raise ReplayError(f"cannot replay {run.path}: its config does not load: {exc}") from None
     logged = {int(r["step"]): r for r in read_metrics(run.metrics) if r.get("kind") == "step"}
     if steps is not None:
         recorded = recorded[:steps]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -508,3 +509,79 @@ def test_train_workers_flag_below_one_is_named_as_the_flag():
     out = staleflow("train", "configs/tiny.yaml", "--workers", "0")
     assert out.returncode == 2
     assert "--workers must be at least 1, got 0" in out.stderr
+
+
+def test_a_model_directory_is_not_taken_for_a_run_directory(tmp_path):
+    # Its config.json passed for a run's: report wrote plots/ and report.html into it,
+    # train --resume made its .lock there before speaking of unknown config keys, and
+    # replay printed a ConfigError traceback.
+    from staleflow.actors.models import tiny_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir(), model)
+    before = sorted(p.name for p in model.iterdir())
+    for args in (["report"], ["replay"], ["train", "--resume"], ["scale", "--workers", "2"]):
+        out = staleflow(*args, str(model))
+        assert out.returncode == 2, (args, out.stderr)
+        assert f"{model} is a Hugging Face model directory, not a staleflow run" in out.stderr
+        assert "Traceback" not in out.stderr
+    assert sorted(p.name for p in model.iterdir()) == before  # nothing written into it
+
+
+def test_eval_of_a_setting_this_machine_cannot_run_is_one_line():
+    # a GPU share on a machine without one, and the vLLM engine where vLLM is not installed:
+    # both were tracebacks (DeviceError, ModuleNotFoundError)
+    import importlib.util
+
+    import torch
+
+    from staleflow.actors.models import tiny_dir
+
+    model = str(tiny_dir())
+    cases = []
+    if not torch.cuda.is_available():
+        cases.append(("rollout.gpus_per_worker=1", "rollout.gpus_per_worker=1 asks for a GPU"))
+    if importlib.util.find_spec("vllm") is None:
+        cases.append(("rollout.engine=vllm", "vLLM is not installed in this environment"))
+    if not cases:
+        pytest.skip("this machine has a GPU and vLLM")
+    for override, message in cases:
+        out = staleflow("eval", model, "--task", "digits", "--prompts", "2", override)
+        assert out.returncode == 2, out.stderr
+        assert message in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+def test_replay_of_a_damaged_trajectory_record_names_it(tmp_path):
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import dump_config, load_config
+
+    run = RunDir.create(str(tmp_path), "damaged")
+    run.config.write_text(dump_config(load_config(REPO / "configs/tiny.yaml")))
+    run.trajectories.mkdir()
+    (run.trajectories / "steps.jsonl").write_text('{"step": 1, "groups": []}\n')
+    # one whole record (8-byte little-endian length, then the bytes) that is no group
+    (run.trajectories / "groups.bin").write_bytes((5).to_bytes(8, "little") + b"abcde")
+    out = staleflow("replay", str(run.path))
+    assert out.returncode == 2, out.stderr
+    assert "groups.bin: the record ending at byte 13 is damaged" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        # Ray refuses a store larger than the machine's memory, in a ValueError of its own
+        ("sync.object_store_mb=100000000",
+         r"Ray did not start with a 100000000 MiB object store: .* Set sync\.object_store_mb"),
+        # no actor starts in 10 ms: this was a TimeoutError traceback
+        ("run.start_timeout_s=0.01", r"not placed within 0\.01 s \(run\.start_timeout_s\)"),
+    ],
+)  # fmt: skip
+def test_a_run_that_cannot_start_its_ray_or_actors_ends_in_one_line(tmp_path, override, message):
+    out = staleflow("train", "configs/tiny.yaml", override, "rollout.num_workers=1",
+                    f"run.output_dir={tmp_path}", "run.name=s")  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert re.search(message, out.stderr), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr

@@ -145,3 +145,23 @@ def test_read_server_url_without_a_server(tmp_path):
     (tmp_path / "server.json").write_text(json.dumps({"nope": 1}))
     with pytest.raises(RedisServerError, match="not a server record"):
         read_server_url(tmp_path)
+    (tmp_path / "server.json").write_text("[]")  # not a map: was a TypeError traceback
+    with pytest.raises(RedisServerError, match="not a server record"):
+        read_server_url(tmp_path)
+
+
+def test_a_server_record_of_another_user_says_whose_it_is(tmp_path, monkeypatch):
+    # server.json is written 0600 (it holds the password): another user's `buffer stats
+    # --run-dir` got a PermissionError traceback. The tests run as root, whom file modes do
+    # not stop, so the refusal is injected.
+    (tmp_path / "server.json").write_text(json.dumps({"url": "redis://:pw@127.0.0.1:1/0"}))
+    real = Path.read_text
+
+    def refused(self, *args, **kwargs):
+        if self.name == "server.json":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refused)
+    with pytest.raises(RedisServerError, match="readable only by the user who started the run"):
+        read_server_url(tmp_path)
