@@ -37,6 +37,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import re
 import signal
 import subprocess
@@ -133,7 +134,8 @@ def _as_overrides(values: Any, where: str) -> tuple[str, ...]:
     for key, value in values.items():
         if not isinstance(key, str) or not all(key.split(".")):
             raise SweepError(f"{where}: {key!r} is not a dotted config key like sync.interval")
-        out.append(f"{key}={json.dumps(value)}")
+        # YAML reads an unquoted 2026-05-01 as a date: passed on as the text it was written
+        out.append(f"{key}={json.dumps(value, default=str)}")
     return tuple(out)
 
 
@@ -171,6 +173,8 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         data = yaml.safe_load(named_text(path.read_text(encoding="utf-8"), str(path)))
     except FileNotFoundError:
         raise SweepError(f"sweep file not found: {path}") from None
+    except UnicodeDecodeError as exc:
+        raise SweepError(f"cannot read sweep file {path}: {exc}; save it as UTF-8") from None
     except (OSError, yaml.YAMLError) as exc:
         raise SweepError(f"cannot read sweep file {path}: {exc}") from None
     if not isinstance(data, dict):
@@ -224,11 +228,11 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         if axis not in axes:
             raise SweepError(f"{path}: {role}: {axis!r} is not an axis; axes: {names}")
     threshold = data.get("threshold", 0.5)
-    if not isinstance(threshold, (int, float)):
+    if not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
         raise SweepError(
             f"{path}: threshold: must be a number (held-out accuracy), got {threshold!r}"
         )
-    directory = Path(output_dir or data.get("output_dir", "runs/sweeps")) / name
+    directory = Path(output_dir or data.get("output_dir", "runs/sweeps")).expanduser() / name
     sweep = Sweep(
         name=name,
         source=path,

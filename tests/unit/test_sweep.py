@@ -67,6 +67,7 @@ grid:
         ("grid: {sync: {x: [1, 2]}}\n", "expected a mapping of dotted config keys"),
         ("grid: {run.seed: [0]}\ncolumns: sync\n", "columns: 'sync' is not an axis"),
         ("grid: {run.seed: [0]}\nthreshold: high\n", "threshold: must be a number"),
+        ("grid: {run.seed: [0]}\nthreshold: .nan\n", "threshold: must be a number"),
         ("grid: {sync: {bad: {sync.interval: 0}}}\n", r"(?s)cell bad: .*sync\.interval"),
         # YAML reads an unquoted on / off / yes / no as a boolean, which is no label
         ("grid: {sync: {on: {sync.interval: 1}}}\n", "label True is not a string"),
@@ -453,6 +454,24 @@ def test_report_only_takes_the_figures_settings_and_nothing_else(tmp_path, fake_
     spec = json.loads((tmp_path / "o" / "s" / "sweep.json").read_text())
     assert spec["threshold"] == 0.7
     assert [c["name"] for c in spec["cells"]] == ["seed-0", "seed-1"]  # the cells that ran
+
+
+def test_a_sweep_file_not_in_utf8_is_refused_with_the_fix(tmp_path):
+    path = sweep_file(tmp_path, "grid: {run.seed: [0]}\n")
+    path.write_bytes(b"# r\xe9glages (Latin-1)\n" + path.read_bytes())  # was a traceback
+    with pytest.raises(SweepError, match=r"cannot read sweep file .*s\.yaml: .*save it as UTF-8"):
+        load_sweep(path)
+
+
+def test_values_yaml_reads_as_dates_pass_on_as_the_text_written(tmp_path):
+    # an unquoted 2026-05-01 is a date to YAML, which json.dumps refused (a traceback)
+    sweep = load_sweep(sweep_file(tmp_path, (
+        "overrides: {run.name: 2026-05-01}\n"
+        "grid: {task: {t: {task.name: custom, task.path: 2026-01-01, task.reward_fn: 'm:f'}}}\n"
+    )))  # fmt: skip
+    (cell,) = sweep.cells
+    assert 'task.path="2026-01-01"' in cell.overrides
+    assert sweep.config(cell).task.path == "2026-01-01"
 
 
 def test_labels_that_yaml_reads_as_numbers_still_name_their_run(tmp_path):
