@@ -185,8 +185,9 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]
         )
     lines: dict[Loc, int] = {}
 
-    def walk(node: yaml.Node | None, loc: Loc) -> None:
+    def walk(node: yaml.Node | None, loc: Loc, inside: frozenset[int]) -> None:
         if isinstance(node, yaml.MappingNode):
+            inside |= {id(node)}
             for key_node, value_node in node.value:
                 sub = (*loc, str(key_node.value))
                 line = key_node.start_mark.line + 1
@@ -195,10 +196,15 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]
                         f"{source}:{line}: {'.'.join(sub)} is given twice (also line "
                         f"{lines[sub]}); merge the two into one"
                     )
+                if id(value_node) in inside:  # x: &a {b: *a} never ends
+                    raise ConfigError(
+                        f"{source}:{line}: {'.'.join(sub)} holds the mapping it is in, through "
+                        "a YAML alias (*name of an &name above it); write the value out"
+                    )
                 lines[sub] = line
-                walk(value_node, sub)
+                walk(value_node, sub, inside)
 
-    walk(root, ())
+    walk(root, (), frozenset())
     return data, lines
 
 

@@ -456,6 +456,15 @@ def test_a_section_given_twice_is_refused_not_merged_silently(tmp_path):
         load_config(write(tmp_path, nested))
 
 
+def test_a_mapping_that_holds_itself_through_an_alias_is_refused(tmp_path):
+    # walking x: &a {b: *a} for the keys' lines never ended: a RecursionError traceback
+    text = MINIMAL + "rollout: &r {group_size: 4, again: *r}\n"
+    with pytest.raises(ConfigError, match=r"run\.yaml:3: rollout\.again holds the mapping it is"):
+        load_config(write(tmp_path, text))
+    shared = MINIMAL + "rollout: &r {group_size: 4}\n"  # an anchor alone is fine
+    assert load_config(write(tmp_path, shared)).rollout.group_size == 4
+
+
 def test_a_config_as_data_masks_each_password_and_keeps_every_key():
     # redact() over the compact JSON masked from the URL's "host:" to the last '@' anywhere
     # after it: with an output_dir holding one, trainer.json lost the learner and sync
