@@ -139,16 +139,29 @@ class TaskConfig(Frozen):
             raise ValueError("task 'custom' needs task.path, a local JSONL file of prompts")
         # A file or function given to a task that never reads it would be ignored silently:
         # the run would train on (and evaluate) something else than the user believes.
-        readers = {"path": ("gsm8k", "custom"), "eval_path": ("gsm8k",), "reward_fn": ("custom",)}
-        for key, names in readers.items():
-            if getattr(self, key) is not None and self.name not in names:
+        for key in unread_task_inputs(self.name):
+            if getattr(self, key) is not None:
+                names = " or ".join(map(repr, TASK_INPUT_READERS[key]))
                 raise ValueError(
-                    f"task.{key} is read only by task {' or '.join(map(repr, names))}, but "
-                    f"task.name is {self.name!r}: set task.name, or remove task.{key}"
-                    + (" (custom tasks hold out task.eval_fraction of task.path)"
-                       if key == "eval_path" else "")
+                    f"task.{key} is read only by task {names}, but task.name is {self.name!r}: "
+                    f"set task.name, or remove task.{key} (or override task.{key}=null)"
+                    + (" (a custom task holds out task.eval_fraction of task.path)"
+                       if key == "eval_path" and self.name == "custom" else "")
                 )  # fmt: skip
         return self
+
+
+TASK_INPUT_READERS = {
+    "path": ("gsm8k", "custom"),
+    "eval_path": ("gsm8k",),
+    "reward_fn": ("custom",),
+}
+"""The task settings naming a file or function, and the tasks that read each."""
+
+
+def unread_task_inputs(name: str) -> list[str]:
+    """The keys of TASK_INPUT_READERS that task `name` does not read."""
+    return [key for key, names in TASK_INPUT_READERS.items() if name not in names]
 
 
 def _custom_resources(value: dict[str, float], key: str) -> dict[str, float]:
@@ -364,29 +377,47 @@ def redis_url_problem(url: str) -> str | None:
     return _query_problem(url)
 
 
-_BUFFER_OWN_OPTIONS = frozenset({"decode_responses", "encoding", "encoding_errors", "protocol"})
+# The ?options a buffer URL may carry: redis-py parses the typed ones (its
+# URL_QUERY_ARGUMENT_PARSERS), the rest arrive as text. Not the others: options whose values
+# are objects (retry, retry_on_error, ...) would arrive as strings and replace the buffer's
+# own settings, as URL options win over the client's.
+_URL_OPTIONS = frozenset({
+    "db", "username", "password", "client_name", "lib_name", "lib_version",
+    "socket_timeout", "socket_connect_timeout", "socket_read_size", "socket_keepalive",
+    "retry_on_timeout", "health_check_interval", "max_connections",
+    "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path",
+    "ssl_password", "ssl_ciphers", "ssl_check_hostname", "ssl_min_version",
+    "ssl_include_verify_flags", "ssl_exclude_verify_flags",
+})  # fmt: skip
+# The buffer reads replies as bytes, in RESP2's shapes: redis-py's defaults for these.
+_DEFAULT_ONLY = frozenset(
+    {"decode_responses", "encoding", "encoding_errors", "protocol", "legacy_responses"}
+)
 
 
 def _query_problem(url: str) -> str | None:
-    """What redis-py would refuse in the URL's ?options, only once it makes its first
-    connection (a value it cannot read: ValueError; a name its connections do not take:
-    TypeError), or None."""
+    """What the URL's ?options hold that redis-py would refuse only once it makes its first
+    connection (a value it cannot read: ValueError; a name its connection does not take:
+    TypeError), or that would break the buffer; None if nothing."""
     import inspect
 
     import redis.connection as rc
 
+    scheme = url.partition("://")[0]
     kind = {"rediss": rc.SSLConnection, "unix": rc.UnixDomainSocketConnection}
-    connection = kind.get(url.partition("://")[0], rc.Connection)
-    known = {"db", "username", "password"}
-    for cls in connection.__mro__:
+    taken = {"db", "username", "password", "max_connections"}  # (the pool takes these)
+    for cls in kind.get(scheme, rc.Connection).__mro__:
         if "__init__" in vars(cls):
-            known.update(inspect.signature(vars(cls)["__init__"]).parameters)
+            taken.update(inspect.signature(vars(cls)["__init__"]).parameters)
     parsers: dict[str, Any] = rc.URL_QUERY_ARGUMENT_PARSERS
     for name, values in parse_qs(urlsplit(url).query).items():
-        if name in _BUFFER_OWN_OPTIONS:  # the buffer reads bytes, replies as in RESP2
-            return f"has the option {name!r}, which the buffer sets itself: remove it"
-        if name not in known or name in ("self", "args", "kwargs"):
-            return f"has the option {name!r}, which redis-py's connections do not take: remove it"
+        if name in _DEFAULT_ONLY:
+            return f"has the option {name!r}; the buffer needs redis-py's default: remove it"
+        if name.startswith("ssl_") and scheme != "rediss":
+            return f"has the TLS option {name!r}: use rediss:// for TLS, or remove it"
+        if name not in _URL_OPTIONS or name not in taken:
+            options = ", ".join(sorted(_URL_OPTIONS & taken))
+            return f"has the option {name!r}, which a buffer URL cannot set (it can: {options})"
         if name in parsers:
             try:
                 parsers[name](values[0])
