@@ -517,13 +517,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from staleflow.actors.tasks import TaskError
     from staleflow.actors.worker import PromptTooLongError, RewardError, RolloutWorker
     from staleflow.configs import ConfigError, load_config, parse_config
-    from staleflow.configs.schema import TaskConfig
+    from staleflow.configs.schema import TaskConfig, unread_task_inputs
     from staleflow.learner.device import DeviceError
 
     target = Path(args.target)
     overrides = list(args.overrides)
     if args.task:
-        overrides.append(f"task.name={args.task}")
+        # The run's own task file or reward function means nothing to another task: cleared
+        # first (an override of the user's own, after, still sets one the new task reads).
+        overrides = [
+            *(f"task.{key}=null" for key in unread_task_inputs(args.task)),
+            *overrides,
+            f"task.name={args.task}",
+        ]
     if args.prompts is not None:
         if args.prompts < 1:
             return _fail(f"--prompts must be at least 1, got {args.prompts}")
@@ -592,7 +598,7 @@ def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from staleflow.cluster.failures import ClusterUnreachable
+    from staleflow.cluster.failures import ClusterUnreachable, RayStartError
     from staleflow.cluster.sweep import cell_status, load_sweep, run_sweep, update_figures
     from staleflow.cluster.sweep_report import write_sweep_report
     from staleflow.configs import ConfigError
@@ -644,7 +650,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             )
         except KeyboardInterrupt:  # between cells (a cell's own Ctrl-C stops it cleanly)
             results = {"": "interrupted"}
-        except (ClusterUnreachable, ConfigError) as exc:  # (a SweepError is a ConfigError)
+        except (ClusterUnreachable, RayStartError, ConfigError) as exc:  # SweepError: Config...
             return _fail(str(exc))
     else:
         results = {}
@@ -682,9 +688,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
     except (ReplayError, FileNotFoundError, ModelError) as exc:
         return _fail(str(exc))
-    except DeviceError as exc:  # replay takes no overrides: the run's learner, as it was
-        return _fail(f"{exc} (replay rebuilds the run's learner as it ran: replay this run on "
-                     "a machine with a GPU)")  # fmt: skip
+    except DeviceError:  # its own advice (a GPU share of 0) is no option here
+        return _fail("the run's learner trained on a GPU, and this process sees no CUDA "
+                     "device; replay rebuilds the learner as the run had it: replay this run "
+                     "on a machine with a GPU")  # fmt: skip
     worst = ", ".join(f"{k} {v:.1e}" for k, v in sorted(result.worst.items()))
     print(f"replayed {result.steps} steps; largest relative differences: {worst}")
     if result.ok:

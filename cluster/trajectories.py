@@ -193,7 +193,7 @@ def replay(
     if steps is not None and steps < 1:
         raise ReplayError(f"--steps must be at least 1, got {steps}")
     run = RunDir(Path(run_dir)).check_exists()
-    recorded, groups = read_trajectories(run.trajectories)  # first: a model dir has none
+    recorded, groups = read_trajectories(run.trajectories)
     try:
         cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
     except ConfigError as exc:  # edited by hand, or from another staleflow version

@@ -528,6 +528,21 @@ def test_a_model_directory_is_not_taken_for_a_run_directory(tmp_path):
     assert sorted(p.name for p in model.iterdir()) == before  # nothing written into it
 
 
+def test_eval_of_a_run_with_another_task_leaves_the_run_s_task_files_behind(tmp_path):
+    # --task on a custom run: its task.path and task.reward_fn, which the new task does not
+    # read, were refused as ignored settings
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import dump_config, load_config
+
+    run = RunDir.create(str(tmp_path), "custom")
+    task = ["task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", "task.reward_fn=m:f"]
+    run.config.write_text(dump_config(load_config(REPO / "configs/tiny.yaml", task)))
+    assert run.checkpoints.is_dir()  # (none in it: the initial weights are evaluated)
+    out = staleflow("eval", str(run.path), "--task", "digits", "--prompts", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["task"] == "digits"
+
+
 def test_eval_of_a_setting_this_machine_cannot_run_is_one_line():
     # a GPU share on a machine without one, and the vLLM engine where vLLM is not installed:
     # both were tracebacks (DeviceError, ModuleNotFoundError)
