@@ -34,6 +34,7 @@ in this process; with `--parallel K` (and `--address` for a cluster) K cells run
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
 import json
 import logging
@@ -134,9 +135,19 @@ def _as_overrides(values: Any, where: str) -> tuple[str, ...]:
     for key, value in values.items():
         if not isinstance(key, str) or not all(key.split(".")):
             raise SweepError(f"{where}: {key!r} is not a dotted config key like sync.interval")
-        # YAML reads an unquoted 2026-05-01 as a date: passed on as the text it was written
-        out.append(f"{key}={json.dumps(value, default=str)}")
+        try:
+            out.append(f"{key}={json.dumps(value, default=_date_as_written)}")
+        except (TypeError, ValueError) as exc:  # (a NaN passes: the config's bounds refuse it)
+            raise SweepError(f"{where}: {key}: {exc}") from None
     return tuple(out)
+
+
+def _date_as_written(value: Any) -> str:
+    """YAML reads an unquoted 2026-05-01 as a date: passed on as the text written (JSON
+    has no dates); any other value JSON cannot hold stays an error."""
+    if type(value) is datetime.date:
+        return value.isoformat()
+    raise TypeError(f"{value!r} is not a config value (a number, string, list or mapping)")
 
 
 # The exit statuses of a `staleflow train` stopped cleanly by a signal: 128 + the signal.
@@ -187,7 +198,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
     name = str(data.get("name") or path.stem)
     if not _NAME.match(name):
         raise SweepError(f"{path}: name {name!r} must be letters, digits and _.- only")
-    base = (path.parent / str(data["base"])).resolve()
+    base = (path.parent / Path(str(data["base"])).expanduser()).resolve()
     if not base.is_file():
         raise SweepError(f"{path}: base config {base} not found (base: is relative to the file)")
     grid = data["grid"]
