@@ -76,6 +76,7 @@ class Driver(CheckpointMixin):
         self.rollouts: Any = None  # Rollouts: the batches on the workers, once started
         self.evaluations: Any = None  # Evaluations in flight, once started
         self.learning: list[Any] | None = None  # refs of the learner call in flight
+        self._learning_since = 0.0  # when it was made (time.monotonic)
         self._ranks_returned: set[Any] = set()  # of those, other ranks' already returned
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
         self._publish_when_idle = False  # async broadcast: engines were added
@@ -161,6 +162,7 @@ class Driver(CheckpointMixin):
             self.batch_was_complete = self.schedule.lockstep and done
             wait = COMPLETE_BATCH_WAIT_S if self.batch_was_complete else LEARNER_WAIT_S
             self.learning = self.learner.train(wait, publish)
+            self._learning_since = time.monotonic()
             self._ranks_returned = set()
 
     def _dispatch(self, slots: list[Any], version: int, batch: int | None = None) -> None:
@@ -467,16 +469,39 @@ class Driver(CheckpointMixin):
                 self._on_batch_done(ref)
             else:
                 self._on_eval_done(ref)
+        self._check_learner_hung()
         self.rollouts.check_hung()
         self._check_redis()
+
+    def _check_learner_hung(self) -> None:
+        """A learner call out longer than learner.step_timeout_s stops the run, naming the
+        ranks that have not returned: Ray reports a rank that dies, not one that hangs (a
+        GPU fault, a stalled filesystem, a collective waiting for a peer). The call is not
+        waited for again: no checkpoint or count queues behind it, the ranks are killed at
+        the stop, and the run resumes from its last checkpoint."""
+        limit = self.cfg.learner.step_timeout_s
+        if self.learning is None or time.monotonic() - self._learning_since <= limit:
+            return
+        ranks = [i for i, ref in enumerate(self.learning) if i == 0 or ref not in
+                 self._ranks_returned]  # fmt: skip
+        self.learning = None
+        self.learner_failed = (
+            f"learner rank(s) {', '.join(map(str, ranks))} did not return from step "
+            f"{self.step + 1} within learner.step_timeout_s={limit:g} s (a hung GPU, a stalled "
+            "filesystem or a collective waiting for a peer; raise learner.step_timeout_s if "
+            "steps take this long)"
+        )
+        raise LearnerFailed(self.learner_failed)
 
     def _drain(self) -> None:
         """Finish the step and evaluations in flight; let no rollout batch push afterwards."""
         import ray
 
         while self.learning is not None:  # a rank failing first stops it (`_rank_returned`)
-            done, _ = ray.wait(self._learning_refs(), num_returns=1)
-            if done[0] == self.learning[0]:
+            done, _ = ray.wait(self._learning_refs(), num_returns=1, timeout=1.0)
+            if not done:
+                self._check_learner_hung()
+            elif done[0] == self.learning[0]:
                 self._on_learner_done()
             else:
                 self._rank_returned(done[0])

@@ -482,6 +482,14 @@ class LearnerConfig(Frozen):
         description="Optimizer steps per epoch over a batch (mini_batches x epochs in all).",
     )
     epochs: int = Field(1, ge=1, le=100, description="Passes over each batch.")
+    step_timeout_s: float = Field(
+        1800.0,
+        ge=10.0,
+        le=_WEEK_S,
+        description="Seconds one learner call (take its batch, step, ack, publish) may take "
+        "before the run stops naming the ranks that did not return (a hung GPU, a stalled "
+        "filesystem, a collective waiting for a peer); it resumes from its last checkpoint.",
+    )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks.")
     gpus_per_rank: float = Field(

@@ -266,6 +266,51 @@ def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_loc
     assert time.monotonic() - started < 300
 
 
+def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
+    tmp_path, ray_local, monkeypatch
+):
+    # Ray reports a rank that dies, not one that hangs (a GPU fault, a stalled filesystem):
+    # the driver waited for the learner's call forever. Injected here: the third learner
+    # call's rank 0 is a task that sleeps for an hour.
+    import time
+
+    import ray
+
+    from staleflow.cluster.placement import LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    def hung() -> None:
+        time.sleep(3600)
+
+    original, calls, hanging = LearnerGroup.train, [], []
+
+    def rank_0_hangs(self, wait_s, publish):
+        calls.append(wait_s)
+        if len(calls) == 3:
+            hanging.append(hung.remote())
+            return list(hanging)
+        return original(self, wait_s, publish)
+
+    monkeypatch.setattr(LearnerGroup, "train", rank_0_hangs)
+    started = time.monotonic()
+    try:
+        _cfg, run, summary, _ = run_driver(
+            tmp_path, "run.name=h", "run.steps=6", "run.checkpoint_every=2",
+            "learner.step_timeout_s=10", ONE_WORKER,
+        )  # fmt: skip
+    finally:
+        for ref in hanging:
+            ray.cancel(ref, force=True)
+    assert summary["status"] == "failed"
+    assert summary["steps"] == 2
+    assert summary["learner_error"].startswith(
+        "learner rank(s) 0 did not return from step 3 within learner.step_timeout_s=10 s"
+    )
+    assert summary["resume"] == f"staleflow train --resume {run.path}"
+    assert run.latest_checkpoint().name == "step-000002"  # none made behind the hung call
+    assert time.monotonic() - started < 300  # the limit, then the stop: not the hour
+
+
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
     # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
     base = [
