@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from staleflow.buffer.connection import BufferConnectionError
+from staleflow.buffer.server import RedisServerError
 from staleflow.cluster.evaluations import Evaluations
 from staleflow.cluster.failures import BatchStalled, LearnerFailed, rank_error
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
@@ -77,6 +78,7 @@ class Driver(CheckpointMixin):
         self.evaluations: Any = None  # Evaluations in flight, once started
         self.learning: list[Any] | None = None  # refs of the learner call in flight
         self._learning_since = 0.0  # when it was made (time.monotonic)
+        self.buffer_lost = False  # the embedded Redis died with no append-only file
         self._ranks_returned: set[Any] = set()  # of those, other ranks' already returned
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
         self._publish_when_idle = False  # async broadcast: engines were added
@@ -312,8 +314,15 @@ class Driver(CheckpointMixin):
     def _check_redis(self) -> None:
         """Restart the embedded Redis if it died (from its append-only file; clients retry
         meanwhile, so the workers and the learner carry on)."""
+        if self.buffer_lost:
+            return  # said once; the stop neither checkpoints nor counts in it
         started = time.monotonic()
-        if self.services.revive_redis():
+        try:
+            revived = self.services.revive_redis()
+        except RedisServerError:  # restarted empty it would hold none of the run's groups
+            self.buffer_lost = True
+            raise
+        if revived:
             self._recovered("redis", started)
 
     def _publish(self) -> None:
@@ -634,9 +643,10 @@ class Driver(CheckpointMixin):
         summary: dict[str, Any] = {"status": status, "steps": self.step, "run_id": self.run_id}
         try:
             learner_ok = self.learner is not None and self.learner_failed is None
+            learner_ok = learner_ok and not self.buffer_lost  # its acks would go nowhere
             if learner_ok and self.step > 0 and self.step != self._checkpointed:
                 self._checkpoint(final=status == "completed")
-            if self.buffer is not None:
+            if self.buffer is not None and not self.buffer_lost:
                 if learner_ok:
                     stale, invalid = self.learner.settle()  # no take races the counts
                     self.counts.dropped_stale += stale

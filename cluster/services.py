@@ -143,15 +143,25 @@ class Services:
 
     def revive_redis(self) -> bool:
         """Restart the embedded server if it died (same port and password, its append-only
-        file replayed; clients reconnect by themselves). True if it was restarted."""
+        file replayed; clients reconnect by themselves). True if it was restarted. Without
+        persistence there is nothing to replay: RedisServerError (the run cannot go on)."""
+        from staleflow.buffer.server import RedisServerError
+
         server = self.redis
         if server is None or server.process is None or server.process.poll() is None:
             return False
+        if not self.cfg.buffer.persistence:
+            # Restarted empty, the server would have lost the groups, the counts and the
+            # consumer group the run's tally stands on: a lock-step run stalled on it, an
+            # async one waited for the lost groups forever.
+            raise RedisServerError(
+                f"the embedded Redis server died (exit code {server.process.returncode}) and "
+                "buffer.persistence is off: the groups, counts and delivery state it held are "
+                "lost, so the run cannot go on (buffer.persistence: true keeps them across a "
+                "restart)"
+            )
         logger.warning("the embedded Redis server died (exit code %s); restarting it from its "
                        "append-only file", server.process.returncode)  # fmt: skip
-        if not self.cfg.buffer.persistence:
-            logger.error("buffer.persistence is off: the restarted server is empty, and the "
-                         "groups it held are lost")  # fmt: skip
         server.start()  # a dead process is relaunched on its port
         return True
 

@@ -154,14 +154,9 @@ def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
     ]
 
 
-def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
-    tmp_path, ray_local, monkeypatch
-):
-    # A make test run of the chaos test killed Redis while rank 0 acked a checkpoint's
-    # groups: the driver, blocked on that call, restarted Redis only after the rank's
-    # client had given up, and the run stopped. Injected here: Redis is SIGKILLed as the
-    # checkpoint at step 2 commits; the driver restarts it while it waits, and the commit
-    # goes through.
+def _redis_dies_at_the_first_commit(run_dir, monkeypatch) -> list[int]:
+    """SIGKILL the run's embedded Redis as the first checkpoint commits (its acks); the
+    pid killed is appended to the list returned."""
     import os
     import signal
 
@@ -172,12 +167,24 @@ def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
 
     def redis_dies_first(self):
         if not killed:
-            pid = json.loads((tmp_path / "r/redis/server.json").read_text())["pid"]
+            pid = json.loads((run_dir / "redis/server.json").read_text())["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
         return original(self)
 
     monkeypatch.setattr(LearnerGroup, "commit", redis_dies_first)
+    return killed
+
+
+def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
+    tmp_path, ray_local, monkeypatch
+):
+    # A make test run of the chaos test killed Redis while rank 0 acked a checkpoint's
+    # groups: the driver, blocked on that call, restarted Redis only after the rank's
+    # client had given up, and the run stopped. Injected here: Redis is SIGKILLed as the
+    # checkpoint at step 2 commits; the driver restarts it while it waits, and the commit
+    # goes through.
+    killed = _redis_dies_at_the_first_commit(tmp_path / "r", monkeypatch)
     _cfg, _run, summary, _ = run_driver(
         tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1", ONE_WORKER
     )
@@ -186,6 +193,26 @@ def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
     assert [f["what"] for f in summary["faults"]] == ["redis"]
     assert_reconciled(summary)
     assert summary["groups"]["trained"] == 4 * 2
+
+
+def test_redis_dying_without_persistence_stops_the_run_with_the_reason(
+    tmp_path, ray_local, monkeypatch
+):
+    # Restarted empty, the server had lost the groups and counts the run's tally stands on,
+    # and the run went on as if it held them (this one completed, its summary counting groups
+    # that no longer existed; a lock-step run stalls on a lost batch). Injected as above:
+    # Redis is SIGKILLed as the checkpoint at step 2 commits.
+    from staleflow.buffer.server import RedisServerError
+
+    killed = _redis_dies_at_the_first_commit(tmp_path / "r", monkeypatch)
+    with pytest.raises(RedisServerError, match=r"\(exit code -9\) and buffer\.persistence is off"):
+        run_driver(
+            tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.mode=async",
+            "buffer.persistence=false", ONE_WORKER,
+        )  # fmt: skip
+    assert killed
+    status = json.loads((tmp_path / "r/status.json").read_text())
+    assert status["state"] == "failed"
 
 
 def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
