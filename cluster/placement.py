@@ -518,11 +518,26 @@ class LearnerGroup:
         calling `while_waiting` about every second meanwhile. A rank that died or raised
         during them (a publish, a checkpoint, ...) is a LearnerFailed, as in a step, so the
         run stops the same clean way whatever the ranks were doing; a worker's failure
-        names the worker."""
+        names the worker. So is a call still out after learner.step_timeout_s (a broadcast:
+        after sync.broadcast_timeout_s, if that is longer), naming what has not returned."""
         slot_of = {ref: slot for slot, ref in workers}
         every = [*refs, *slot_of]
         pending = list(every)
+        limit = self.cfg.learner.step_timeout_s
+        if workers:  # the ranks give up on a broadcast themselves after its own timeout
+            limit = max(limit, self.cfg.sync.broadcast_timeout_s + 60)
+        deadline = time.monotonic() + limit
         while pending:
+            if time.monotonic() > deadline:
+                late = [f"learner rank {i}" for i, ref in enumerate(refs) if ref in pending]
+                late += [
+                    f"rollout worker {slot_of[ref].index}" for ref in pending if ref in slot_of
+                ]
+                raise LearnerFailed(
+                    f"{', '.join(late)} did not return from {during} within {limit:g} s "
+                    "(learner.step_timeout_s; a hung GPU, a stalled filesystem or a peer that "
+                    "never joined)"
+                )
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             # a call that failed stops the wait at once: the others may be waiting for it
             # in a collective, which only the process group's timeout would end

@@ -486,9 +486,10 @@ class LearnerConfig(Frozen):
         1800.0,
         ge=10.0,
         le=_WEEK_S,
-        description="Seconds one learner call (take its batch, step, ack, publish) may take "
-        "before the run stops naming the ranks that did not return (a hung GPU, a stalled "
-        "filesystem, a collective waiting for a peer); it resumes from its last checkpoint.",
+        description="Seconds one learner call (take its batch, step, ack, publish) or a "
+        "checkpoint, publish or resume load may take before the run stops naming the ranks "
+        "that did not return (a hung GPU, a stalled filesystem, a collective waiting for a "
+        "peer); a broadcast gets sync.broadcast_timeout_s + 60 s if that is longer.",
     )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage.")
     num_ranks: int = Field(1, ge=1, le=4096, description="Data-parallel learner ranks.")

@@ -338,6 +338,47 @@ def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
     assert time.monotonic() - started < 300  # the limit, then the stop: not the hour
 
 
+def test_a_checkpoint_that_never_returns_stops_the_run_after_step_timeout_s(
+    tmp_path, ray_local, monkeypatch
+):
+    # The driver waited on the ranks outside a step (a checkpoint, a publish) with no limit:
+    # a rank stalled on its filesystem held the run for ever. Injected: the checkpoint at
+    # step 2 waits on a task that sleeps for an hour in place of the ranks' save.
+    import time
+
+    import ray
+
+    from staleflow.cluster.placement import LearnerGroup
+
+    @ray.remote(num_cpus=0)
+    def hung() -> None:
+        time.sleep(3600)
+
+    hanging: list = []
+
+    def save_hangs(self, path, extra):
+        hanging.append(hung.remote())
+        self.on_ranks(hanging, "a checkpoint")
+
+    monkeypatch.setattr(LearnerGroup, "save", save_hangs)
+    started = time.monotonic()
+    try:
+        _cfg, run, summary, _ = run_driver(
+            tmp_path, "run.name=c", "run.steps=4", "run.checkpoint_every=2",
+            "learner.step_timeout_s=10", ONE_WORKER,
+        )  # fmt: skip
+    finally:
+        for ref in hanging:
+            ray.cancel(ref, force=True)
+    assert len(hanging) == 1  # the stop made no second checkpoint behind it
+    assert summary["status"] == "failed"
+    assert summary["learner_error"].startswith(
+        "learner rank 0 did not return from a checkpoint within 10 s (learner.step_timeout_s"
+    )
+    assert run.latest_checkpoint() is None
+    assert time.monotonic() - started < 300  # the limit, then the stop: not the hour
+
+
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
     # The shipped paper configs run 4 ranks at ZeRO 2: their checkpoint used to fail.
     base = [
