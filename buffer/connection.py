@@ -75,7 +75,10 @@ def _unknown_host(error: BaseException) -> bool:
 
 def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> redis.Redis:
     """A client for `url` (redis://, rediss:// with password, unix://) that retries dropped
-    connections with exponential backoff (~6 s in all) before giving up."""
+    connections with exponential backoff before giving up: ~6 s of backoff for a server
+    that refuses connections. A host that does not answer at all (a lost node) costs each
+    connection attempt its 5 s connect timeout, and redis-py retries the connection inside
+    each retry of the command, so a command gives up only after minutes there."""
     problem = redis_url_problem(url)
     if problem:
         raise ValueError(f"Redis URL {redact(url)!r} {problem}")
