@@ -77,7 +77,7 @@ class Driver(CheckpointMixin):
         self.rollouts: Any = None  # Rollouts: the batches on the workers, once started
         self.evaluations: Any = None  # Evaluations in flight, once started
         self.learning: list[Any] | None = None  # refs of the learner call in flight
-        self._learning_since = 0.0  # when it was made (time.monotonic)
+        self._learning_since = 0.0  # when it was made (time.monotonic), plus its batch wait
         self.buffer_lost = False  # the embedded Redis died with no append-only file
         self._ranks_returned: set[Any] = set()  # of those, other ranks' already returned
         self.batch_was_complete = False  # ... made once its lock-step batch was all pushed
@@ -164,7 +164,7 @@ class Driver(CheckpointMixin):
             self.batch_was_complete = self.schedule.lockstep and done
             wait = COMPLETE_BATCH_WAIT_S if self.batch_was_complete else LEARNER_WAIT_S
             self.learning = self.learner.train(wait, publish)
-            self._learning_since = time.monotonic()
+            self._learning_since = time.monotonic() + wait  # its take may wait this long
             self._ranks_returned = set()
 
     def _dispatch(self, slots: list[Any], version: int, batch: int | None = None) -> None:
@@ -483,7 +483,9 @@ class Driver(CheckpointMixin):
         self._check_redis()
 
     def _check_learner_hung(self) -> None:
-        """A learner call out longer than learner.step_timeout_s stops the run, naming the
+        """A learner call out longer than learner.step_timeout_s (on top of the wait for its
+        batch it was given: a lock-step batch that never lands is BatchStalled's, not a
+        hang) stops the run, naming the
         ranks that have not returned: Ray reports a rank that dies, not one that hangs (a
         GPU fault, a stalled filesystem, a collective waiting for a peer). The call is not
         waited for again: no checkpoint or count queues behind it, the ranks are killed at

@@ -486,7 +486,8 @@ class LearnerConfig(Frozen):
         1800.0,
         ge=10.0,
         le=_WEEK_S,
-        description="Seconds one learner call (take its batch, step, ack, publish) or a "
+        description="Seconds one learner call (its step, ack and publish, after the up to 30 s "
+        "it may wait for its batch) or a "
         "checkpoint, publish or resume load may take before the run stops naming the ranks "
         "that did not return (a hung GPU, a stalled filesystem, a collective waiting for a "
         "peer); a broadcast gets sync.broadcast_timeout_s + 60 s if that is longer.",
