@@ -14,7 +14,8 @@ cluster.resume.
 Faults (docs/architecture.md, "Faults and resume"): a rollout worker that dies, hangs
 (rollout.batch_timeout_s) or whose engine fails is replaced and its part of the batch redone
 (group ids are fixed per batch and prompt, so nothing is pushed twice); an embedded Redis that
-dies is restarted from its append-only file; a learner rank that dies stops the run with the
+dies is restarted from its append-only file (with buffer.persistence off the run stops); a
+learner rank that dies, or hangs past learner.step_timeout_s, stops the run with the
 command that resumes it from its last checkpoint (`train --resume`, which `Resume` restores).
 """
 
@@ -222,8 +223,13 @@ class Driver(CheckpointMixin):
         import ray
 
         assert self.learning is not None
+        # every rank's, so a rank's error surfaces; a rank still out when rank 0 is done is
+        # waited for up to the call's limit, not for ever
+        left = self._learning_since + self.cfg.learner.step_timeout_s - time.monotonic()
         try:
-            report = ray.get(self.learning)[0]  # every rank's, so a rank's error surfaces
+            report = ray.get(self.learning, timeout=max(1.0, left))[0]
+        except ray.exceptions.GetTimeoutError:
+            self._learner_hung()
         except Exception as exc:
             self._learner_failed(exc)
         self.learning = None
@@ -313,13 +319,15 @@ class Driver(CheckpointMixin):
 
     def _check_redis(self) -> None:
         """Restart the embedded Redis if it died (from its append-only file; clients retry
-        meanwhile, so the workers and the learner carry on)."""
+        meanwhile, so the workers and the learner carry on). Without one (buffer.persistence
+        off), or if it cannot be started again, the run's groups are out of reach: it stops
+        (RedisServerError)."""
         if self.buffer_lost:
-            return  # said once; the stop neither checkpoints nor counts in it
+            return  # said once: the stop neither checkpoints nor counts in it
         started = time.monotonic()
         try:
             revived = self.services.revive_redis()
-        except RedisServerError:  # restarted empty it would hold none of the run's groups
+        except RedisServerError:  # no AOF to restart from, or it would not start again
             self.buffer_lost = True
             raise
         if revived:
@@ -493,8 +501,20 @@ class Driver(CheckpointMixin):
         limit = self.cfg.learner.step_timeout_s
         if self.learning is None or time.monotonic() - self._learning_since <= limit:
             return
-        ranks = [i for i, ref in enumerate(self.learning) if i == 0 or ref not in
-                 self._ranks_returned]  # fmt: skip
+        self._learner_hung()
+
+    def _learner_hung(self) -> None:
+        """Past its limit: stop the run naming the ranks whose part of the learner call has
+        not returned (none: it finished just now, and the next wait takes it)."""
+        import ray
+
+        assert self.learning is not None
+        limit = self.cfg.learner.step_timeout_s
+        every = len(self.learning)
+        ready, _ = ray.wait(self.learning, num_returns=every, timeout=0)
+        ranks = [i for i, ref in enumerate(self.learning) if ref not in ready]
+        if not ranks:
+            return
         self.learning = None
         self.learner_failed = (
             f"learner rank(s) {', '.join(map(str, ranks))} did not return from step "
@@ -512,6 +532,7 @@ class Driver(CheckpointMixin):
             done, _ = ray.wait(self._learning_refs(), num_returns=1, timeout=1.0)
             if not done:
                 self._check_learner_hung()
+                self._check_redis()
             elif done[0] == self.learning[0]:
                 self._on_learner_done()
             else:
@@ -722,8 +743,13 @@ class Driver(CheckpointMixin):
         refs, self.learning = self.learning, None
         try:
             report = ray.get(refs[0], timeout=COMPLETE_BATCH_WAIT_S + 60)
-        except Exception:
+        except Exception as exc:
+            # The ranks may still be in that step, or stopped part way: a checkpoint queued
+            # behind it would hold a learner one step ahead of the driver's count
             logger.exception("the learner call in flight at the stop did not finish")
+            self.learner_failed = self.learner_failed or (
+                f"the learner call in flight at the stop did not finish: {rank_error(exc)}"
+            )
             return
         self._account(report)
 

@@ -523,21 +523,12 @@ class LearnerGroup:
         slot_of = {ref: slot for slot, ref in workers}
         every = [*refs, *slot_of]
         pending = list(every)
-        limit = self.cfg.learner.step_timeout_s
-        if workers:  # the ranks give up on a broadcast themselves after its own timeout
-            limit = max(limit, self.cfg.sync.broadcast_timeout_s + 60)
+        limit, setting = self.cfg.learner.step_timeout_s, "learner.step_timeout_s"
+        if workers and self.cfg.sync.broadcast_timeout_s + 60 > limit:
+            # the ranks give up on a broadcast themselves after its own timeout
+            limit, setting = self.cfg.sync.broadcast_timeout_s + 60, "sync.broadcast_timeout_s"
         deadline = time.monotonic() + limit
         while pending:
-            if time.monotonic() > deadline:
-                late = [f"learner rank {i}" for i, ref in enumerate(refs) if ref in pending]
-                late += [
-                    f"rollout worker {slot_of[ref].index}" for ref in pending if ref in slot_of
-                ]
-                raise LearnerFailed(
-                    f"{', '.join(late)} did not return from {during} within {limit:g} s "
-                    "(learner.step_timeout_s; a hung GPU, a stalled filesystem or a peer that "
-                    "never joined)"
-                )
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             # a call that failed stops the wait at once: the others may be waiting for it
             # in a collective, which only the process group's timeout would end
@@ -555,6 +546,15 @@ class LearnerGroup:
                     raise LearnerFailed(
                         f"a learner rank failed during {during}: {failure}"
                     ) from exc
+            if pending and time.monotonic() > deadline:
+                late = [f"learner rank {i}" for i, ref in enumerate(refs) if ref in pending]
+                late += [
+                    f"rollout worker {slot_of[ref].index}" for ref in pending if ref in slot_of
+                ]
+                raise LearnerFailed(
+                    f"{', '.join(late)} did not return from {during} within {limit:g} s "
+                    f"({setting}; a hung GPU, a stalled filesystem or a peer that never joined)"
+                )
             if pending:
                 self.while_waiting()
         return list(ray.get(every))

@@ -196,7 +196,7 @@ def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
 
 
 def test_redis_dying_without_persistence_stops_the_run_with_the_reason(
-    tmp_path, ray_local, monkeypatch
+    tmp_path, ray_local, monkeypatch, caplog
 ):
     # Restarted empty, the server had lost the groups and counts the run's tally stands on,
     # and the run went on as if it held them (this one completed, its summary counting groups
@@ -213,6 +213,11 @@ def test_redis_dying_without_persistence_stops_the_run_with_the_reason(
     assert killed
     status = json.loads((tmp_path / "r/status.json").read_text())
     assert status["state"] == "failed"
+    summary = json.loads((tmp_path / "r/summary.json").read_text())
+    assert "buffer.persistence is off" in summary["error"]
+    # the stop made no checkpoint and no count against the empty server (each failed, with
+    # a traceback in the log, before)
+    assert "could not checkpoint or reconcile" not in caplog.text
 
 
 def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
@@ -297,23 +302,24 @@ def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
     tmp_path, ray_local, monkeypatch
 ):
     # Ray reports a rank that dies, not one that hangs (a GPU fault, a stalled filesystem):
-    # the driver waited for the learner's call forever. Injected here: the third learner
-    # call's rank 0 is a task that sleeps for an hour.
+    # the driver waited for the learner's call forever. Injected here: the first learner
+    # call after the checkpoint at step 2 (so step 3's, whatever calls came back short
+    # before) is a task that sleeps for an hour in place of rank 0's.
     import time
 
     import ray
 
     from staleflow.cluster.placement import LearnerGroup
+    from staleflow.cluster.rundir import RunDir
 
     @ray.remote(num_cpus=0)
     def hung() -> None:
         time.sleep(3600)
 
-    original, calls, hanging = LearnerGroup.train, [], []
+    original, hanging = LearnerGroup.train, []
 
     def rank_0_hangs(self, wait_s, publish):
-        calls.append(wait_s)
-        if len(calls) == 3:
+        if RunDir(tmp_path / "h").latest_checkpoint() is not None:
             hanging.append(hung.remote())
             return list(hanging)
         return original(self, wait_s, publish)
