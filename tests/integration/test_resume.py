@@ -154,25 +154,26 @@ def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
     ]
 
 
-def _redis_dies_at_the_first_commit(run_dir, monkeypatch) -> list[int]:
-    """SIGKILL the run's embedded Redis as the first checkpoint commits (its acks); the
-    pid killed is appended to the list returned."""
+def _redis_dies_at_the_first(call: str, run_dir, monkeypatch) -> list[int]:
+    """SIGKILL the run's embedded Redis as the first checkpoint makes LearnerGroup `call`
+    ("save": the ranks write files; "commit": they ack in Redis); the pid killed is
+    appended to the list returned."""
     import os
     import signal
 
     from staleflow.cluster.placement import LearnerGroup
 
-    original = LearnerGroup.commit
+    original = getattr(LearnerGroup, call)
     killed: list[int] = []
 
-    def redis_dies_first(self):
+    def redis_dies_first(self, *args):
         if not killed:
             pid = json.loads((run_dir / "redis/server.json").read_text())["pid"]
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
-        return original(self)
+        return original(self, *args)
 
-    monkeypatch.setattr(LearnerGroup, "commit", redis_dies_first)
+    monkeypatch.setattr(LearnerGroup, call, redis_dies_first)
     return killed
 
 
@@ -184,7 +185,7 @@ def test_redis_killed_during_a_checkpoint_is_restarted_and_the_run_goes_on(
     # client had given up, and the run stopped. Injected here: Redis is SIGKILLed as the
     # checkpoint at step 2 commits; the driver restarts it while it waits, and the commit
     # goes through.
-    killed = _redis_dies_at_the_first_commit(tmp_path / "r", monkeypatch)
+    killed = _redis_dies_at_the_first("commit", tmp_path / "r", monkeypatch)
     _cfg, _run, summary, _ = run_driver(
         tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.offset=1", ONE_WORKER
     )
@@ -200,11 +201,12 @@ def test_redis_dying_without_persistence_stops_the_run_with_the_reason(
 ):
     # Restarted empty, the server had lost the groups and counts the run's tally stands on,
     # and the run went on as if it held them (this one completed, its summary counting groups
-    # that no longer existed; a lock-step run stalls on a lost batch). Injected as above:
-    # Redis is SIGKILLed as the checkpoint at step 2 commits.
+    # that no longer existed; a lock-step run stalls on a lost batch). Injected: Redis is
+    # SIGKILLed as the checkpoint at step 2 is saved.
     from staleflow.buffer.server import RedisServerError
 
-    killed = _redis_dies_at_the_first_commit(tmp_path / "r", monkeypatch)
+    # (as the ranks write it: none of them is then inside a Redis call that retries)
+    killed = _redis_dies_at_the_first("save", tmp_path / "r", monkeypatch)
     with pytest.raises(RedisServerError, match=r"\(exit code -9\) and buffer\.persistence is off"):
         run_driver(
             tmp_path, "run.name=r", "run.checkpoint_every=2", "run.steps=4", "sync.mode=async",
