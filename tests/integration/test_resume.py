@@ -300,6 +300,38 @@ def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_loc
     assert time.monotonic() - started < 300
 
 
+def _run_with_a_call_that_never_returns(tmp_path, name, inject, *overrides):
+    """run_driver with learner.step_timeout_s=10, after `inject(never)` has patched in a call
+    that never returns: `never()` starts a Ray task that sleeps for an hour (cancelled when
+    the run is over) and returns its ref. Returns (run, summary, seconds the run took, the
+    refs made)."""
+    import time
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def hung() -> None:
+        time.sleep(3600)
+
+    refs: list = []
+
+    def never():
+        refs.append(hung.remote())
+        return refs[-1]
+
+    inject(never)
+    started = time.monotonic()
+    try:
+        _cfg, run, summary, _ = run_driver(
+            tmp_path, f"run.name={name}", "run.checkpoint_every=2", "learner.step_timeout_s=10",
+            ONE_WORKER, *overrides,
+        )  # fmt: skip
+    finally:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+    return run, summary, time.monotonic() - started, refs
+
+
 def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
     tmp_path, ray_local, monkeypatch
 ):
@@ -307,35 +339,21 @@ def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
     # the driver waited for the learner's call forever. Injected here: the first learner
     # call after the checkpoint at step 2 (so step 3's, whatever calls came back short
     # before) is a task that sleeps for an hour in place of rank 0's.
-    import time
-
-    import ray
-
     from staleflow.cluster.placement import LearnerGroup
-    from staleflow.cluster.rundir import RunDir
 
-    @ray.remote(num_cpus=0)
-    def hung() -> None:
-        time.sleep(3600)
+    original = LearnerGroup.train
 
-    original, hanging = LearnerGroup.train, []
+    def inject(never):
+        def rank_0_hangs(self, wait_s, publish):
+            if RunDir(tmp_path / "h").latest_checkpoint() is not None:
+                return [never()]
+            return original(self, wait_s, publish)
 
-    def rank_0_hangs(self, wait_s, publish):
-        if RunDir(tmp_path / "h").latest_checkpoint() is not None:
-            hanging.append(hung.remote())
-            return list(hanging)
-        return original(self, wait_s, publish)
+        monkeypatch.setattr(LearnerGroup, "train", rank_0_hangs)
 
-    monkeypatch.setattr(LearnerGroup, "train", rank_0_hangs)
-    started = time.monotonic()
-    try:
-        _cfg, run, summary, _ = run_driver(
-            tmp_path, "run.name=h", "run.steps=6", "run.checkpoint_every=2",
-            "learner.step_timeout_s=10", ONE_WORKER,
-        )  # fmt: skip
-    finally:
-        for ref in hanging:
-            ray.cancel(ref, force=True)
+    run, summary, seconds, _ = _run_with_a_call_that_never_returns(
+        tmp_path, "h", inject, "run.steps=6"
+    )
     assert summary["status"] == "failed"
     assert summary["steps"] == 2
     assert summary["learner_error"].startswith(
@@ -343,7 +361,7 @@ def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
     )
     assert summary["resume"] == f"staleflow train --resume {run.path}"
     assert run.latest_checkpoint().name == "step-000002"  # none made behind the hung call
-    assert time.monotonic() - started < 300  # the limit, then the stop: not the hour
+    assert seconds < 300  # the limit, then the stop: not the hour
 
 
 def test_a_checkpoint_that_never_returns_stops_the_run_after_step_timeout_s(
@@ -352,39 +370,23 @@ def test_a_checkpoint_that_never_returns_stops_the_run_after_step_timeout_s(
     # The driver waited on the ranks outside a step (a checkpoint, a publish) with no limit:
     # a rank stalled on its filesystem held the run for ever. Injected: the checkpoint at
     # step 2 waits on a task that sleeps for an hour in place of the ranks' save.
-    import time
-
-    import ray
-
     from staleflow.cluster.placement import LearnerGroup
 
-    @ray.remote(num_cpus=0)
-    def hung() -> None:
-        time.sleep(3600)
+    def inject(never):
+        monkeypatch.setattr(
+            LearnerGroup, "save", lambda self, path, extra: self.on_ranks([never()], "a checkpoint")
+        )
 
-    hanging: list = []
-
-    def save_hangs(self, path, extra):
-        hanging.append(hung.remote())
-        self.on_ranks(hanging, "a checkpoint")
-
-    monkeypatch.setattr(LearnerGroup, "save", save_hangs)
-    started = time.monotonic()
-    try:
-        _cfg, run, summary, _ = run_driver(
-            tmp_path, "run.name=c", "run.steps=4", "run.checkpoint_every=2",
-            "learner.step_timeout_s=10", ONE_WORKER,
-        )  # fmt: skip
-    finally:
-        for ref in hanging:
-            ray.cancel(ref, force=True)
-    assert len(hanging) == 1  # the stop made no second checkpoint behind it
+    run, summary, seconds, refs = _run_with_a_call_that_never_returns(
+        tmp_path, "c", inject, "run.steps=4"
+    )
+    assert len(refs) == 1  # the stop made no second checkpoint behind it
     assert summary["status"] == "failed"
     assert summary["learner_error"].startswith(
         "learner rank 0 did not return from a checkpoint within 10 s (learner.step_timeout_s"
     )
     assert run.latest_checkpoint() is None
-    assert time.monotonic() - started < 300  # the limit, then the stop: not the hour
+    assert seconds < 300  # the limit, then the stop: not the hour
 
 
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):
