@@ -229,7 +229,8 @@ class Driver(CheckpointMixin):
         try:
             report = ray.get(self.learning, timeout=max(1.0, left))[0]
         except ray.exceptions.GetTimeoutError:
-            self._learner_hung()
+            self._learner_hung()  # raises, unless every rank returned since the get gave up:
+            return self._on_learner_done()  # then their results are there (or their errors)
         except Exception as exc:
             self._learner_failed(exc)
         self.learning = None
@@ -493,11 +494,11 @@ class Driver(CheckpointMixin):
     def _check_learner_hung(self) -> None:
         """A learner call out longer than learner.step_timeout_s (on top of the wait for its
         batch it was given: a lock-step batch that never lands is BatchStalled's, not a
-        hang) stops the run, naming the
-        ranks that have not returned: Ray reports a rank that dies, not one that hangs (a
-        GPU fault, a stalled filesystem, a collective waiting for a peer). The call is not
-        waited for again: no checkpoint or count queues behind it, the ranks are killed at
-        the stop, and the run resumes from its last checkpoint."""
+        hang) stops the run, naming the ranks that have not returned: Ray reports a rank
+        that dies, not one that hangs (a GPU fault, a stalled filesystem, a collective
+        waiting for a peer). The call is not waited for again: no checkpoint or count
+        queues behind it, the ranks are killed at the stop, and the run resumes from its
+        last checkpoint."""
         limit = self.cfg.learner.step_timeout_s
         if self.learning is None or time.monotonic() - self._learning_since <= limit:
             return
