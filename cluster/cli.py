@@ -270,7 +270,8 @@ def _add_run_commands(sub: Any) -> None:
         "<output_dir>/<name>/runs/, then write the combined report (report.html, plots/, "
         "summary.md/.csv/.json) next to it. Resumable: run it again and completed cells are "
         "skipped, incomplete ones continue from their last checkpoint (those that cannot are "
-        "set aside under incomplete/ and rerun). The file format "
+        "set aside under incomplete/ and rerun). Ctrl-C stops the running cells cleanly; a "
+        "second stops them at once, a third (--parallel) kills them. The file format "
         "is documented in configs/sweeps/tiny.yaml.",
     )
     sweep.add_argument("sweep_file", help="sweep file, e.g. configs/sweeps/tiny.yaml")

@@ -587,6 +587,62 @@ class _Stopped(Exception):
         self.signum = signum
 
 
+def _stop_cells(procs: dict[str, subprocess.Popen[bytes]], signum: int, main: bool) -> None:
+    """Pass a stop signal on to the cells' `staleflow train` processes, and make the next
+    two escalate (while the caller waits for the cells): the second signal is passed on
+    again, which makes each train stop at once (its cleanup, checkpoint included, still
+    runs); the third kills each cell's process group (SIGKILL: no checkpoint, no summary;
+    the next `staleflow sweep` continues each from its last checkpoint). SIGHUP reaches
+    the cells as SIGTERM (a train in a session of its own has no terminal to lose)."""
+    import os
+
+    sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+    name = signal.Signals(signum).name
+    again = "Ctrl-C" if signum == signal.SIGINT else name
+    stage = [1]
+
+    def live() -> list[tuple[str, subprocess.Popen[bytes]]]:
+        return [(cell, proc) for cell, proc in procs.items() if proc.poll() is None]
+
+    def send(to: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+        for _, proc in to:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
+    def escalate(received: int, frame: Any) -> None:
+        stage[0] += 1
+        cells = live()
+        names = ", ".join(cell for cell, _ in cells) or "none"
+        if stage[0] == 2:
+            logger.warning(
+                "%s again: stopping the cells at once (%s); each still checkpoints and writes "
+                "its summary. %s once more kills them without that",
+                signal.Signals(received).name, names, again,
+            )  # fmt: skip
+            send(cells)
+            return
+        logger.warning(
+            "%s a third time: killing the cells still running (%s) with SIGKILL; run the "
+            "sweep again to continue each from its last checkpoint",
+            signal.Signals(received).name, names,
+        )  # fmt: skip
+        for _, proc in cells:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its session: the train and its Redis
+
+    if main:  # while the caller waits, further signals escalate instead of stopping it
+        for each in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(each, escalate)
+    cells = live()
+    if cells:
+        logger.warning(
+            "%s: stopping %d cell(s) (%s): each finishes its step in flight, checkpoints and "
+            "writes its summary. %s again stops them at once",
+            name, len(cells), ", ".join(cell for cell, _ in cells), again,
+        )  # fmt: skip
+    send(cells)
+
+
 def _child_command(
     sweep: Sweep, cell: Cell, join: str, resume: bool = False
 ) -> tuple[list[str], dict[str, str]]:
@@ -646,8 +702,8 @@ def _run_processes(
     (the given address, or a local one this process starts and the cells join); those named
     in `resume` a `staleflow train --resume` of their run directory. Each runs
     in a session of its own: Ctrl-C, SIGTERM or SIGHUP reaches this process, which passes it
-    on to each cell once (a second SIGINT would stop a run without its checkpoint), ignores
-    any more, and waits for them before it stops the Ray they use. Each cell's output is
+    on to each cell and waits for them before it stops the Ray they use; a second signal
+    stops them at once, a third kills them (`_stop_cells`). Each cell's output is
     appended to logs/<cell>.out (an earlier attempt's is kept above it)."""
     import threading
 
@@ -706,12 +762,9 @@ def _run_processes(
                         if on_cell is not None:
                             on_cell(cell, status, summary)
             except (KeyboardInterrupt, _Stopped) as exc:
-                if main:  # from now on, wait: a second signal must not leave them running
-                    for sig in (signal.SIGINT, *stops):
-                        signal.signal(sig, signal.SIG_IGN)
                 sig = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
-                for _, proc, _, _ in running.values():
-                    proc.send_signal(sig if sig != signal.SIGHUP else signal.SIGTERM)
+                procs = {name: proc for name, (_, proc, _, _) in running.items()}
+                _stop_cells(procs, sig, main)
                 for name, (_, proc, out, _) in running.items():
                     proc.wait()
                     out.close()

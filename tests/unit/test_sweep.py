@@ -509,3 +509,83 @@ def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fa
     assert "hunter2" not in " ".join(argv)
     assert 'buffer={"capacity": 64}' in argv
     assert env["STALEFLOW_REDIS_URL"] == url
+
+
+# A cell's `staleflow train` that does not stop: it records each signal it gets and goes on
+# (the failure injected: a cell stuck in its cleanup). Only SIGKILL ends it.
+STUCK_CELL = """
+import os, pathlib, signal, sys, time
+log = pathlib.Path(sys.argv[1])
+def note(signum, frame):
+    with log.open("a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, note)
+pathlib.Path(sys.argv[2]).write_text(str(os.getpid()))
+log.write_text("")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_signals_to_a_parallel_sweep_escalate_to_cells_that_do_not_stop(
+    tmp_path, monkeypatch, caplog
+):
+    import contextlib
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from staleflow.cluster import sweep as sweep_module
+
+    path = sweep_file(tmp_path, "grid: {run.seed: [0]}\n")
+    sweep = load_sweep(path, output_dir=tmp_path / "out")
+    log, pid = tmp_path / "signals.txt", tmp_path / "pid"
+    (tmp_path / "cell.py").write_text(STUCK_CELL)
+    monkeypatch.setattr(sweep_module, "_ray_for", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(
+        sweep_module, "_child_command",
+        lambda *a: ([sys.executable, str(tmp_path / "cell.py"), str(log), str(pid)],
+                    dict(os.environ)),
+    )  # fmt: skip
+
+    def got() -> list[str]:
+        return log.read_text().split() if log.exists() else []
+
+    def until(ok, what: str) -> None:
+        deadline = time.monotonic() + 30
+        while not ok():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.05)
+
+    failures: list[BaseException] = []
+
+    def signal_the_sweep() -> None:  # as a user would: SIGTERM, then again, then again
+        try:
+            until(lambda: log.exists(), "the cell never started")
+            for n in (1, 2):
+                os.kill(os.getpid(), signal.SIGTERM)
+                until(lambda n=n: len(got()) == n, f"signal {n} never reached the cell")
+            os.kill(os.getpid(), signal.SIGTERM)
+        except BaseException as exc:  # reported by the test's thread below
+            failures.append(exc)
+
+    before = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=signal_the_sweep, daemon=True)
+    thread.start()
+    with caplog.at_level("WARNING", logger="staleflow.cluster.sweep"):
+        results = sweep_module._run_processes(sweep, sweep.cells, "127.0.0.1:6379", 2, None, set())
+    thread.join(10)
+    assert not failures, failures
+    # the first two passed on (the second makes a real train stop at once), the third killed
+    assert got() == ["SIGTERM", "SIGTERM"]
+    with pytest.raises(ProcessLookupError):  # killed, and reaped by the sweep
+        os.kill(int(pid.read_text()), 0)
+    assert results == {"seed-0": "interrupted"}
+    said = caplog.text
+    assert "SIGTERM: stopping 1 cell(s) (seed-0)" in said
+    assert "SIGTERM again: stopping the cells at once (seed-0)" in said
+    assert "SIGTERM a third time: killing the cells still running (seed-0)" in said
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
