@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit
@@ -36,10 +37,15 @@ class _RetryUnlessRefused(Retry):
     in plain text (once per connection: the nested retries see every timeout), and a server
     that answers in the Redis protocol ends it."""
 
-    def __init__(self, *args: Any, tls_target: tuple[str, int, str] | None = None) -> None:
+    def __init__(
+        self, *args: Any, tls_target: tuple[str, int, str] | None = None, give_up_s: float
+    ) -> None:
         super().__init__(*args)
         self.tls_target = tls_target
+        self.give_up_s = give_up_s
         self._probed = False
+        self._deadline: float | None = None  # of the outermost call (each connection has its
+        # own copy of this object, used by one thread at a time)
 
     def call_with_retry(
         self,
@@ -51,6 +57,8 @@ class _RetryUnlessRefused(Retry):
         def retryable(error: Exception) -> bool:
             if isinstance(error, redis.AuthenticationError) or _unknown_host(error):
                 return False
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                return False  # the nested retries' time is spent: the error goes up now
             timeout = isinstance(error, redis.TimeoutError | socket.timeout)
             if self.tls_target and timeout and not self._probed:
                 self._probed = True
@@ -63,7 +71,16 @@ class _RetryUnlessRefused(Retry):
                     ) from error
             return is_retryable is None or is_retryable(error)
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        # redis-py retries a connection inside each retry of the command that needs it, with
+        # this same object: one deadline, set by the outermost call, bounds them all.
+        outermost = self._deadline is None
+        if outermost:
+            self._deadline = time.monotonic() + self.give_up_s
+        try:
+            return super().call_with_retry(do, fail, retryable, with_failure_count)
+        finally:
+            if outermost:
+                self._deadline = None
 
 
 def _unknown_host(error: BaseException) -> bool:
@@ -73,12 +90,17 @@ def _unknown_host(error: BaseException) -> bool:
     return isinstance(cause, socket.gaierror) and cause.errno == socket.EAI_NONAME
 
 
-def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> redis.Redis:
+def connect(
+    url: str, *, retries: int = 8, socket_timeout_s: float = 30.0, give_up_s: float = 90.0
+) -> redis.Redis:
     """A client for `url` (redis://, rediss:// with password, unix://) that retries dropped
-    connections with exponential backoff before giving up: ~6 s of backoff for a server
-    that refuses connections. A host that does not answer at all (a lost node) costs each
-    connection attempt its 5 s connect timeout, and redis-py retries the connection inside
-    each retry of the command, so a command gives up only after minutes there."""
+    connections with exponential backoff before giving up: ~9 s of backoff for a server
+    that refuses connections from the start. redis-py retries a connection inside each retry
+    of the command that needs it, so a server lost mid-run (the embedded one restarting,
+    reloading its AOF) is retried for up to about a minute, and a host that does not answer
+    at all (a lost node: each attempt waits out a timeout) would take many minutes:
+    `give_up_s` bounds each command's retries, nested ones included (the command in flight
+    may first wait out its `socket_timeout_s`)."""
     problem = redis_url_problem(url)
     if problem:
         raise ValueError(f"Redis URL {redact(url)!r} {problem}")
@@ -87,7 +109,7 @@ def connect(url: str, *, retries: int = 8, socket_timeout_s: float = 30.0) -> re
         parts = urlsplit(url)
         tls_target = (parts.hostname or "localhost", parts.port or 6379, redact(url))
     retry = _RetryUnlessRefused(
-        ExponentialBackoff(cap=2.0, base=0.05), retries, tls_target=tls_target
+        ExponentialBackoff(cap=2.0, base=0.05), retries, tls_target=tls_target, give_up_s=give_up_s
     )
     tcp: dict[str, Any] = {} if url.startswith("unix://") else {"socket_keepalive": True}
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -1026,6 +1027,69 @@ def test_unreachable_redis_gives_a_clear_error_with_the_password_masked(waits):
     # retried with exponential back-off (a server restarting comes back), then gave up
     assert len(waits) >= 3
     assert waits[-1] > waits[0]
+
+
+class Blackhole:
+    """A TCP proxy to a real server that can go dark as a lost host does: after `go_dark()`
+    nothing reaches the server or comes back, and new connections are never accepted (the
+    listening socket's queue is full, so the SYNs are dropped and connects time out)."""
+
+    def __init__(self, port: int) -> None:
+        self.target = port
+        self.dark = threading.Event()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self.listener.settimeout(0.05)
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.dark.is_set():
+            try:
+                client = self.listener.accept()[0]
+            except TimeoutError:
+                continue
+            server = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                if not self.dark.is_set():
+                    sink.sendall(data)
+
+    def go_dark(self) -> None:
+        self.dark.set()
+        threading.Event().wait(0.2)  # the accept loop has stopped (not time.sleep: `waits`)
+        self.sockets.append(socket.create_connection(("127.0.0.1", self.port)))  # queue full
+
+    def close(self) -> None:
+        for sock in (*self.sockets, self.listener):
+            sock.close()
+
+
+def test_a_host_that_stops_answering_mid_run_is_given_up_on_after_give_up_s(redis_server, waits):
+    # A host that stops answering (a lost node): the command in flight waits out its socket
+    # timeout, then each connection attempt its 5 s connect timeout, and redis-py retries the
+    # connection inside each retry of the command, 9 x 9 attempts: minutes. `give_up_s`
+    # bounds them all.
+    from staleflow.buffer.connection import connect
+
+    hole = Blackhole(redis_server.port)
+    try:
+        url = redis_server.url.replace(f":{redis_server.port}/", f":{hole.port}/")
+        client = connect(url, socket_timeout_s=0.5, give_up_s=1.0)
+        assert client.ping()
+        hole.go_dark()
+        with pytest.raises(redis.TimeoutError, match="Timeout connecting"):
+            client.ping()  # no reply; then one attempt to connect again times out
+    finally:
+        hole.close()
+    assert len(waits) == 1, waits  # one back-off, then the deadline ended the retries
 
 
 def test_a_url_without_the_password_the_server_needs_says_where_it_goes(redis_server):
