@@ -167,8 +167,20 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
     """Parse the document and record the 1-based line of every key."""
+    if "\t" in text and _is_json(text):
+        # YAML refuses a tab where JSON allows it (indentation); in valid JSON a tab can only
+        # be whitespace (a string holds it escaped), so spaces read the same, line for line
+        text = text.replace("\t", " ")
     try:
         root = yaml.compose(named_text(text, source), Loader=yaml.SafeLoader)
         data = yaml.safe_load(named_text(text, source))

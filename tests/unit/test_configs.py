@@ -478,6 +478,21 @@ def test_a_mapping_that_holds_itself_through_an_alias_is_refused(tmp_path):
     assert load_config(write(tmp_path, shared)).rollout.group_size == 4
 
 
+def test_a_json_config_indented_with_tabs_loads_and_errors_keep_their_lines(tmp_path):
+    # YAML refuses a tab as indentation, so json.dump(cfg, f, indent="\t") could not be read
+    data = {"model": {"preset": "tiny"}, "rollout": {"group_size": 4}, "run": {"steps": 7}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(data, indent="\t"))
+    cfg = load_config(path)
+    assert (cfg.rollout.group_size, cfg.run.steps) == (4, 7)
+    data["rollout"]["group_size"] = 0  # an error still names the line it is on
+    path.write_text(json.dumps(data, indent="\t"))
+    with pytest.raises(ConfigError, match=r"run\.json:6: rollout\.group_size"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="not valid YAML"):  # a tab YAML refuses, not JSON
+        load_config(write(tmp_path, "model:\n\tpreset: tiny\n"))
+
+
 def test_a_config_as_data_masks_each_password_and_keeps_every_key():
     # redact() over the compact JSON masked from the URL's "host:" to the last '@' anywhere
     # after it: with an output_dir holding one, trainer.json lost the learner and sync
