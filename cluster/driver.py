@@ -489,6 +489,7 @@ class Driver(CheckpointMixin):
                 self._on_eval_done(ref)
         self._check_learner_hung()
         self.rollouts.check_hung()
+        self.rollouts.check_started()
         self._check_redis()
 
     def _check_learner_hung(self) -> None:

@@ -270,6 +270,8 @@ class WorkerSlot:
     calls: int = 0  # batches in flight on the actor (a part redone on it waits behind its own)
     retiring: bool = False
     idle_since: float = field(default_factory=time.monotonic)
+    ready: Any = None  # its constructor's ref until it is seen done (`Rollouts.check_started`)
+    added: float = field(default_factory=time.monotonic)
 
     @property
     def busy(self) -> bool:
@@ -324,7 +326,7 @@ class WorkerPool:
             redis_url=self.redis_url,
             shared=self.shared,
         )
-        slot = WorkerSlot(index, handle)
+        slot = WorkerSlot(index, handle, ready=handle.__ray_ready__.remote())
         self.slots.append(slot)
         return slot
 

@@ -185,6 +185,35 @@ class Rollouts:
                 shard.failed_at = now
                 ray.kill(shard.slot.handle)
 
+    def check_started(self) -> None:
+        """StartTimeout when a worker given a part (one that replaced a lost worker, or was
+        added by `staleflow scale`) has not started within run.start_timeout_s: no node has
+        room for it (its node was lost), or its model load hangs. Its part would otherwise
+        wait for rollout.batch_timeout_s and be redone on another new worker that cannot
+        start either, rollout.max_restarts times: hours."""
+        import ray
+
+        from staleflow.cluster.placement import StartTimeout
+
+        limit = self.cfg.run.start_timeout_s
+        now = time.monotonic()
+        for shard in list(self.shards.values()):
+            slot = shard.slot
+            if slot.ready is None:
+                continue
+            done, _ = ray.wait([slot.ready], timeout=0)
+            if done:  # started (a constructor that failed fails the part's own call)
+                slot.ready = None
+            elif now - slot.added > limit:
+                raise StartTimeout(
+                    f"rollout worker {slot.index}, started during the run for batch "
+                    f"{shard.batch}, did not start within {limit:g} s (run.start_timeout_s); "
+                    f"the cluster has {ray.available_resources()} free of "
+                    f"{ray.cluster_resources()}: a worker that fits on no node (its node was "
+                    "lost) waits for resources. Add a node or lower rollout.num_workers, "
+                    f"then resume: {self.resume_hint}"
+                )
+
     def abandon(self) -> None:
         """Forget the parts still running and stop every worker: a worker pushes its part
         whole or not at all, and a resume redoes the batches its checkpoint lists as

@@ -634,7 +634,8 @@ class RunSection(Frozen):
         gt=0.0,
         le=_WEEK_S,
         description="Seconds the learner and workers may take to start (place, load the "
-        "model) before the run fails with what the cluster has free.",
+        "model) before the run fails with what the cluster has free; also a rollout worker "
+        "started during the run (a replacement, a scale-up) that is given a batch.",
     )
     record_trajectories: bool = Field(
         True,

@@ -112,3 +112,56 @@ def test_a_part_lost_under_a_broadcast_method_is_queued_on_a_member_holding_its_
     finally:
         for slot in list(pool.slots):
             pool.drop(slot)
+
+
+def test_a_replacement_worker_no_node_has_room_for_stops_the_run_after_start_timeout_s(
+    ray_local, redis_url
+):
+    # A worker lost with its node: its replacement fits nowhere and waits for resources. Its
+    # part waited for rollout.batch_timeout_s (30 min) and was redone on another replacement
+    # that could not start either, rollout.max_restarts times: about 2 hours, then the error.
+    # Now the run stops after run.start_timeout_s, saying what the cluster has free.
+    import itertools
+    import time
+    from types import SimpleNamespace
+
+    from staleflow.actors.tasks import make_task
+    from staleflow.actors.worker import RolloutWorker
+    from staleflow.cluster.placement import StartTimeout
+    from staleflow.cluster.rollouts import Rollouts
+
+    cfg = parse_config(TINY, ["run.start_timeout_s=2", "rollout.num_workers=1"])
+    pool = WorkerPool(cfg, "unplaced", redis_url)
+    faults = []
+    rollouts = Rollouts(cfg, pool, False, "staleflow train --resume R",
+                        lambda error, batch: faults.append((error, batch)))  # fmt: skip
+    try:
+        first = pool.add()
+        wait_started({"rollout workers": [first.handle]}, 300)
+        weights = SimpleNamespace(version=0)  # the initial weights every engine starts with
+        prompts = list(itertools.islice(make_task(cfg.task).train_prompts(), 2))
+        rollouts.start([first], 1, weights, prompts)
+        rollouts.check_started()  # a worker that started passes (and is not asked again)
+        assert first.ready is None
+        # the failure injected: from now on a new worker asks for a resource no node has
+        pool._actor = ray.remote(RolloutWorker).options(
+            num_cpus=cfg.rollout.cpus_per_worker, resources={"staleflow-test-lost-node": 1}
+        )
+        [ref] = list(rollouts.shards)
+        ray.kill(first.handle)
+        ray.wait([ref], timeout=60)
+        assert rollouts.finished(ref) is None  # replaced, the part queued on the new worker
+        [shard] = rollouts.shards.values()
+        assert shard.slot is not first
+        assert shard.slot.ready is not None
+        rollouts.check_started()  # within the limit: still waiting
+        time.sleep(2.5)
+        with pytest.raises(StartTimeout) as stopped:
+            rollouts.check_started()
+        message = str(stopped.value)
+        assert "rollout worker 1, started during the run for batch 1, did not start" in message
+        assert "within 2 s (run.start_timeout_s)" in message
+        assert "resume: staleflow train --resume R" in message
+    finally:
+        for slot in list(pool.slots):
+            pool.drop(slot)
