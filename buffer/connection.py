@@ -57,8 +57,6 @@ class _RetryUnlessRefused(Retry):
         def retryable(error: Exception) -> bool:
             if isinstance(error, redis.AuthenticationError) or _unknown_host(error):
                 return False
-            if self._deadline is not None and time.monotonic() >= self._deadline:
-                return False  # the nested retries' time is spent: the error goes up now
             timeout = isinstance(error, redis.TimeoutError | socket.timeout)
             if self.tls_target and timeout and not self._probed:
                 self._probed = True
@@ -69,6 +67,8 @@ class _RetryUnlessRefused(Retry):
                         "so the TLS handshake rediss:// starts never completes; use redis:// "
                         "(or enable TLS on the server)"
                     ) from error
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                return False  # the nested retries' time is spent: the error goes up now
             return is_retryable is None or is_retryable(error)
 
         # redis-py retries a connection inside each retry of the command that needs it, with

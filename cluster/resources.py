@@ -243,7 +243,8 @@ def cluster_nodes() -> list[NodeCapacity]:
 def scale_placement_refusal(cfg: Any, n: int) -> str | None:
     """Why the connected cluster cannot hold this run with `n` rollout workers (checked as
     at start: the whole run against the nodes' totals), or None. Ray would otherwise keep the
-    new workers pending, and batches handed to them would wait for rollout.batch_timeout_s."""
+    new workers pending, and the first batch handed to one would stop the run after
+    run.start_timeout_s (Rollouts.check_started)."""
     scaled = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"num_workers": n})})
     try:
         fit(run_requests(scaled), cluster_nodes(), hint="ask for fewer workers, or add nodes first")

@@ -579,68 +579,60 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-class _Stopped(Exception):
-    """SIGTERM or SIGHUP reached a sweep running cells as processes (raised by its handler)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop_cells(procs: dict[str, subprocess.Popen[bytes]], signum: int, main: bool) -> None:
-    """Pass a stop signal on to the cells' `staleflow train` processes, and make the next
-    two escalate (while the caller waits for the cells): the second signal is passed on
-    again, which makes each train stop at once (its cleanup, checkpoint included, still
-    runs); the third kills each cell's process group (SIGKILL: no checkpoint, no summary;
-    the next `staleflow sweep` continues each from its last checkpoint). SIGHUP reaches
-    the cells as SIGTERM (a train in a session of its own has no terminal to lose)."""
+def _stop_cells(
+    procs: dict[str, subprocess.Popen[bytes]], received: list[int], poll_s: float = 0.1
+) -> None:
+    """Stop the cells' `staleflow train` processes after the stop signal `received[0]`, and
+    wait for them; signals received meanwhile (appended to `received` by the caller's
+    handler) escalate. The first is passed on to each cell: it finishes its step in flight,
+    checkpoints and writes its summary. The second is passed on again, which makes each
+    train stop at once (its cleanup, the checkpoint included, still runs). The third kills
+    each cell's process group (SIGKILL: no checkpoint, no summary; the next `staleflow
+    sweep` continues each from its last checkpoint). SIGHUP reaches the cells as SIGTERM (a
+    train in a session of its own has no terminal to lose). The handler only records:
+    everything happens here, between polls, so no signal lands halfway through a step."""
     import os
-
-    sig = signal.SIGTERM if signum == signal.SIGHUP else signum
-    name = signal.Signals(signum).name
-    again = "Ctrl-C" if signum == signal.SIGINT else name
-    stage = [1]
 
     def live() -> list[tuple[str, subprocess.Popen[bytes]]]:
         return [(cell, proc) for cell, proc in procs.items() if proc.poll() is None]
 
-    def send(to: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-        for _, proc in to:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
+    def names(cells: list[tuple[str, Any]]) -> str:
+        return ", ".join(cell for cell, _ in cells)
 
-    def escalate(received: int, frame: Any) -> None:
-        stage[0] += 1
-        cells = live()
-        names = ", ".join(cell for cell, _ in cells) or "none"
-        if stage[0] == 2:
-            logger.warning(
-                "%s again: stopping the cells at once (%s); each still checkpoints and writes "
-                "its summary. %s once more kills them without that",
-                signal.Signals(received).name, names, again,
-            )  # fmt: skip
-            send(cells)
-            return
-        logger.warning(
-            "%s a third time: killing the cells still running (%s) with SIGKILL; run the "
-            "sweep again to continue each from its last checkpoint",
-            signal.Signals(received).name, names,
-        )  # fmt: skip
-        for _, proc in cells:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # its session: the train and its Redis
-
-    if main:  # while the caller waits, further signals escalate instead of stopping it
-        for each in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(each, escalate)
-    cells = live()
-    if cells:
-        logger.warning(
-            "%s: stopping %d cell(s) (%s): each finishes its step in flight, checkpoints and "
-            "writes its summary. %s again stops them at once",
-            name, len(cells), ", ".join(cell for cell, _ in cells), again,
-        )  # fmt: skip
-    send(cells)
+    handled = 0
+    while cells := live():
+        if len(received) > handled:
+            handled = min(len(received), handled + 1)  # one stage per signal
+            signum = received[handled - 1]
+            name = signal.Signals(signum).name
+            again = "Ctrl-C" if signum == signal.SIGINT else name
+            sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+            if handled == 1:
+                logger.warning(
+                    "%s: stopping %d cell(s) (%s): each finishes its step in flight, "
+                    "checkpoints and writes its summary. %s again stops them at once",
+                    name, len(cells), names(cells), again,
+                )  # fmt: skip
+            elif handled == 2:
+                logger.warning(
+                    "%s again: stopping the cells at once (%s); each still checkpoints and "
+                    "writes its summary. %s once more kills them without that",
+                    name, names(cells), again,
+                )  # fmt: skip
+            else:
+                logger.warning(
+                    "%s a third time: killing the cells still running (%s) with SIGKILL; "
+                    "run the sweep again to continue each from its last checkpoint",
+                    name, names(cells),
+                )  # fmt: skip
+            for _, proc in cells:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if handled < 3:
+                        proc.send_signal(sig)
+                    else:  # its session: the train and its embedded Redis
+                        os.killpg(proc.pid, signal.SIGKILL)
+            continue
+        time.sleep(poll_s)
 
 
 def _child_command(
@@ -714,63 +706,60 @@ def _run_processes(
     queue = list(todo)
     logs = sweep.directory / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    stops = (signal.SIGTERM, signal.SIGHUP)
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    received: list[int] = []  # the stop signals, in order; only recorded by the handler
 
-    def on_stop(signum: int, frame: Any) -> None:
-        raise _Stopped(signum)
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
 
     main = threading.current_thread() is threading.main_thread()  # where handlers can be set
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *stops)} if main else {}
-    for sig in stops if main else ():
-        signal.signal(sig, on_stop)
+    previous = {sig: signal.getsignal(sig) for sig in signals} if main else {}
+    for sig in signals if main else ():
+        signal.signal(sig, on_signal)
     try:
         with _ray_for(sweep, todo, address):
             join = address or ray.get_runtime_context().gcs_address
-            try:
-                while queue or running:
-                    while queue and len(running) < parallel:
-                        cell = queue.pop(0)
-                        resuming = cell.name in resume
-                        argv, env = _child_command(sweep, cell, join, resuming)
-                        out = open(logs / f"{cell.name}.out", "ab")  # noqa: SIM115
-                        started = time.strftime("%Y-%m-%d %H:%M:%S")
-                        out.write(f"--- {started} {cell.name}\n".encode())
-                        out.flush()
-                        proc = subprocess.Popen(
-                            argv, stdout=out, stderr=out, env=env, start_new_session=True
-                        )
-                        running[cell.name] = (cell, proc, out, out.tell())
-                        if on_cell is not None:
-                            on_cell(cell, "resuming" if resuming else "started", None)
-                    time.sleep(0.5)
-                    for name, (cell, proc, out, start) in list(running.items()):
-                        if proc.poll() is None:
-                            continue
-                        out.close()
-                        del running[name]
-                        status = (
-                            "completed" if proc.returncode == 0
-                            else "interrupted" if proc.returncode in _STOPPED_CLEANLY
-                            else "failed"
-                        )  # fmt: skip
-                        results[name] = status
-                        summary = read_summary(sweep.runs / cell.name)
-                        if status == "failed":
-                            error = _last_error(logs / f"{cell.name}.out", start)
-                            error = error or f"exit status {proc.returncode}"
-                            summary = {**(summary or {}), "status": status, "error": error}
-                        if on_cell is not None:
-                            on_cell(cell, status, summary)
-            except (KeyboardInterrupt, _Stopped) as exc:
-                sig = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
-                procs = {name: proc for name, (_, proc, _, _) in running.items()}
-                _stop_cells(procs, sig, main)
-                for name, (_, proc, out, _) in running.items():
-                    proc.wait()
+            while (queue or running) and not received:
+                while queue and len(running) < parallel and not received:
+                    cell = queue.pop(0)
+                    resuming = cell.name in resume
+                    argv, env = _child_command(sweep, cell, join, resuming)
+                    out = open(logs / f"{cell.name}.out", "ab")  # noqa: SIM115
+                    started = time.strftime("%Y-%m-%d %H:%M:%S")
+                    out.write(f"--- {started} {cell.name}\n".encode())
+                    out.flush()
+                    proc = subprocess.Popen(
+                        argv, stdout=out, stderr=out, env=env, start_new_session=True
+                    )
+                    running[cell.name] = (cell, proc, out, out.tell())
+                    if on_cell is not None:
+                        on_cell(cell, "resuming" if resuming else "started", None)
+                time.sleep(0.5)
+                for name, (cell, proc, out, start) in list(running.items()):
+                    if proc.poll() is None:
+                        continue
+                    out.close()
+                    del running[name]
+                    status = (
+                        "completed" if proc.returncode == 0
+                        else "interrupted" if proc.returncode in _STOPPED_CLEANLY
+                        else "failed"
+                    )  # fmt: skip
+                    results[name] = status
+                    summary = read_summary(sweep.runs / cell.name)
+                    if status == "failed":
+                        error = _last_error(logs / f"{cell.name}.out", start)
+                        error = error or f"exit status {proc.returncode}"
+                        summary = {**(summary or {}), "status": status, "error": error}
+                    if on_cell is not None:
+                        on_cell(cell, status, summary)
+            if received:
+                if not running and not results:  # before any cell started
+                    results.update({cell.name: "interrupted" for cell in queue})
+                _stop_cells({name: proc for name, (_, proc, _, _) in running.items()}, received)
+                for name, (_, _, out, _) in running.items():
                     out.close()
                     results[name] = "interrupted"
-    except _Stopped:  # before the cells started, or while Ray stopped: nothing to pass on
-        results.update({cell.name: "interrupted" for cell in queue})
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

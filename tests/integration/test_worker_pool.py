@@ -140,15 +140,29 @@ def test_a_replacement_worker_no_node_has_room_for_stops_the_run_after_start_tim
         wait_started({"rollout workers": [first.handle]}, 300)
         weights = SimpleNamespace(version=0)  # the initial weights every engine starts with
         prompts = list(itertools.islice(make_task(cfg.task).train_prompts(), 2))
+        ray.wait([first.ready], timeout=60)  # its constructor's reply is here
         rollouts.start([first], 1, weights, prompts)
+        [ref] = list(rollouts.shards)
+        ray.wait([ref], timeout=60)
         rollouts.check_started()  # a worker that started passes (and is not asked again)
         assert first.ready is None
-        # the failure injected: from now on a new worker asks for a resource no node has
+        assert rollouts.finished(ref)[2]  # batch 1 done on it
+        # the failures injected: the worker dies (as with its node), and from now on a new
+        # worker asks for a resource no node has
+        ray.kill(first.handle)
+        deadline = time.monotonic() + 60
+        while True:  # until Ray reports it dead (a kill is asynchronous)
+            try:
+                ray.get(first.handle.__ray_ready__.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.monotonic() < deadline, "the killed worker still answers"
+            time.sleep(0.1)
         pool._actor = ray.remote(RolloutWorker).options(
             num_cpus=cfg.rollout.cpus_per_worker, resources={"staleflow-test-lost-node": 1}
         )
+        rollouts.start([first], 2, weights, prompts)  # a call to the dead worker fails
         [ref] = list(rollouts.shards)
-        ray.kill(first.handle)
         ray.wait([ref], timeout=60)
         assert rollouts.finished(ref) is None  # replaced, the part queued on the new worker
         [shard] = rollouts.shards.values()
@@ -159,7 +173,7 @@ def test_a_replacement_worker_no_node_has_room_for_stops_the_run_after_start_tim
         with pytest.raises(StartTimeout) as stopped:
             rollouts.check_started()
         message = str(stopped.value)
-        assert "rollout worker 1, started during the run for batch 1, did not start" in message
+        assert "rollout worker 1, started during the run for batch 2, did not start" in message
         assert "within 2 s (run.start_timeout_s)" in message
         assert "resume: staleflow train --resume R" in message
     finally:

@@ -512,7 +512,8 @@ def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fa
 
 
 # A cell's `staleflow train` that does not stop: it records each signal it gets and goes on
-# (the failure injected: a cell stuck in its cleanup). Only SIGKILL ends it.
+# (the failure injected: a cell stuck in its cleanup). Only SIGKILL ends it, or a minute
+# (so that a sweep that fails to kill it leaves nothing behind).
 STUCK_CELL = """
 import os, pathlib, signal, sys, time
 log = pathlib.Path(sys.argv[1])
@@ -523,7 +524,8 @@ for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, note)
 pathlib.Path(sys.argv[2]).write_text(str(os.getpid()))
 log.write_text("")
-while True:
+end = time.monotonic() + 60
+while time.monotonic() < end:
     time.sleep(0.05)
 """
 
