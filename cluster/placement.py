@@ -441,8 +441,7 @@ class LearnerGroup:
             remove_placement_group(self.group)
             raise StartTimeout(
                 f"the learner's {learner.num_ranks} rank(s) (bundles {bundles}) were not placed "
-                f"within {timeout:g} s (run.start_timeout_s); the cluster has "
-                f"{ray.available_resources()} free of {ray.cluster_resources()}"
+                f"within {timeout:g} s (run.start_timeout_s); {cluster_room()}"
                 + (
                     " (sync.method ipc: bundle 0 holds rank 0 and every rollout worker, so it "
                     "needs one node with all of that)"
@@ -616,6 +615,11 @@ def _last_error(exc: Exception) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
+def cluster_room() -> str:
+    """What the connected Ray cluster has free, for the error of an actor it cannot place."""
+    return f"the cluster has {ray.available_resources()} free of {ray.cluster_resources()}"
+
+
 def learner_threads(num_ranks: int) -> int:
     """Torch threads of each learner rank: this machine's cores shared over the ranks."""
     return max(1, min(8, (os.cpu_count() or 1) // num_ranks))
@@ -650,7 +654,6 @@ def wait_started(roles: dict[str, Sequence[Any]], timeout_s: float) -> None:
         which = ", ".join(f"{n} of {total[what]} {what}" for what, n in late.items())
         raise StartTimeout(
             f"{which} did not start within {timeout_s:g} s "
-            f"(run.start_timeout_s); the cluster has {ray.available_resources()} free of "
-            f"{ray.cluster_resources()}: an actor that fits on no node waits for resources, "
-            "and one still loading its model needs a longer run.start_timeout_s"
+            f"(run.start_timeout_s); {cluster_room()}: an actor that fits on no node waits for "
+            "resources, and one still loading its model needs a longer run.start_timeout_s"
         )

@@ -193,7 +193,7 @@ class Rollouts:
         start either, rollout.max_restarts times: hours."""
         import ray
 
-        from staleflow.cluster.placement import StartTimeout
+        from staleflow.cluster.placement import StartTimeout, cluster_room
 
         limit = self.cfg.run.start_timeout_s
         now = time.monotonic()
@@ -208,9 +208,8 @@ class Rollouts:
                 raise StartTimeout(
                     f"rollout worker {slot.index}, started during the run for batch "
                     f"{shard.batch}, did not start within {limit:g} s (run.start_timeout_s); "
-                    f"the cluster has {ray.available_resources()} free of "
-                    f"{ray.cluster_resources()}: a worker that fits on no node (its node was "
-                    "lost) waits for resources. Add a node or lower rollout.num_workers, "
+                    f"{cluster_room()}: a worker that fits on no node (its node was lost) "
+                    "waits for resources. Add a node or lower rollout.num_workers, "
                     f"then resume: {self.resume_hint}"
                 )
 

@@ -590,7 +590,8 @@ def _stop_cells(
     each cell's process group (SIGKILL: no checkpoint, no summary; the next `staleflow
     sweep` continues each from its last checkpoint). SIGHUP reaches the cells as SIGTERM (a
     train in a session of its own has no terminal to lose). The handler only records:
-    everything happens here, between polls, so no signal lands halfway through a step."""
+    everything happens here and in the caller's loop, between polls, so no signal lands
+    halfway through starting or reaping a cell."""
     import os
 
     def live() -> list[tuple[str, subprocess.Popen[bytes]]]:
@@ -602,7 +603,7 @@ def _stop_cells(
     handled = 0
     while cells := live():
         if len(received) > handled:
-            handled = min(len(received), handled + 1)  # one stage per signal
+            handled += 1  # one stage per signal
             signum = received[handled - 1]
             name = signal.Signals(signum).name
             again = "Ctrl-C" if signum == signal.SIGINT else name

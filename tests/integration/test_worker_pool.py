@@ -129,6 +129,7 @@ def test_a_replacement_worker_no_node_has_room_for_stops_the_run_after_start_tim
     from staleflow.actors.worker import RolloutWorker
     from staleflow.cluster.placement import StartTimeout
     from staleflow.cluster.rollouts import Rollouts
+    from tests.integration.test_system import wait_for
 
     cfg = parse_config(TINY, ["run.start_timeout_s=2", "rollout.num_workers=1"])
     pool = WorkerPool(cfg, "unplaced", redis_url)
@@ -150,14 +151,15 @@ def test_a_replacement_worker_no_node_has_room_for_stops_the_run_after_start_tim
         # the failures injected: the worker dies (as with its node), and from now on a new
         # worker asks for a resource no node has
         ray.kill(first.handle)
-        deadline = time.monotonic() + 60
-        while True:  # until Ray reports it dead (a kill is asynchronous)
+
+        def dead() -> bool:
             try:
                 ray.get(first.handle.__ray_ready__.remote(), timeout=30)
             except ray.exceptions.RayActorError:
-                break
-            assert time.monotonic() < deadline, "the killed worker still answers"
-            time.sleep(0.1)
+                return True
+            return False
+
+        wait_for(dead, 60, "Ray to report the killed worker dead", poll_s=0.1)  # (asynchronous)
         pool._actor = ray.remote(RolloutWorker).options(
             num_cpus=cfg.rollout.cpus_per_worker, resources={"staleflow-test-lost-node": 1}
         )

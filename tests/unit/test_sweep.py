@@ -538,9 +538,9 @@ def test_signals_to_a_parallel_sweep_escalate_to_cells_that_do_not_stop(
     import signal
     import sys
     import threading
-    import time
 
     from staleflow.cluster import sweep as sweep_module
+    from tests.integration.test_system import wait_for
 
     path = sweep_file(tmp_path, "grid: {run.seed: [0]}\n")
     sweep = load_sweep(path, output_dir=tmp_path / "out")
@@ -556,20 +556,14 @@ def test_signals_to_a_parallel_sweep_escalate_to_cells_that_do_not_stop(
     def got() -> list[str]:
         return log.read_text().split() if log.exists() else []
 
-    def until(ok, what: str) -> None:
-        deadline = time.monotonic() + 30
-        while not ok():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.05)
-
     failures: list[BaseException] = []
 
     def signal_the_sweep() -> None:  # as a user would: SIGTERM, then again, then again
         try:
-            until(lambda: log.exists(), "the cell never started")
+            wait_for(log.exists, 30, "the cell to start", poll_s=0.05)
             for n in (1, 2):
                 os.kill(os.getpid(), signal.SIGTERM)
-                until(lambda n=n: len(got()) == n, f"signal {n} never reached the cell")
+                wait_for(lambda n=n: len(got()) == n, 30, f"signal {n} at the cell", poll_s=0.05)
             os.kill(os.getpid(), signal.SIGTERM)
         except BaseException as exc:  # reported by the test's thread below
             failures.append(exc)
