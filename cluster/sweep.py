@@ -52,7 +52,7 @@ from typing import Any
 import yaml
 
 from staleflow.cluster.rundir import read_json_object, write_text
-from staleflow.configs.loader import ConfigError, named_text
+from staleflow.configs.loader import ConfigError, read_yaml
 
 __all__ = [
     "Cell", "Sweep", "SweepError", "cell_status", "load_sweep", "read_summary",
@@ -181,7 +181,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
     checks that need this machine's files come in `run_sweep`, before any cell runs)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(named_text(path.read_text(encoding="utf-8"), str(path)))
+        data = read_yaml(path.read_text(encoding="utf-8"), str(path))
     except FileNotFoundError:
         raise SweepError(f"sweep file not found: {path}") from None
     except UnicodeDecodeError as exc:

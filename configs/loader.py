@@ -31,6 +31,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "password_masked",
+    "read_yaml",
     "redact",
     "redacted_dict",
 ]
@@ -91,7 +92,7 @@ def apply_overrides(
                 "(e.g. learner.loss.epsilon_high=2.0)"
             )
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = yaml.load(raw, Loader=YamlLoader) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(
                 redact(f"override {item!r}: value is not valid YAML: {exc}")
@@ -167,6 +168,35 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader less two YAML 1.1 readings no one writing a config means: 1:30 as
+    90 (base 60) and 010 as 8 (octal). Both stay text, as YAML 1.2 and JSON have it: a number
+    field then takes "010" as 10, and refuses "1:30" by name instead of running with 90."""
+
+    def resolve(self, kind: type[yaml.Node], value: Any, implicit: tuple[bool, bool]) -> str:
+        if kind is yaml.ScalarNode and implicit[0] and _BASE60_OR_OCTAL.fullmatch(value):
+            return "tag:yaml.org,2002:str"
+        tag: str = super().resolve(kind, value, implicit)  # type: ignore[no-untyped-call]
+        return tag
+
+
+_BASE60_OR_OCTAL = re.compile(r"[-+]?(?:[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?|0[0-7_]+)")
+
+
+def read_yaml(text: str, source: str) -> Any:
+    """The data of a YAML (or JSON) document as configs and sweep files read it (YamlLoader;
+    a JSON document's tabs as spaces). Raises yaml.YAMLError, naming `source`."""
+    return yaml.load(named_text(_untabbed(text), source), Loader=YamlLoader)
+
+
+def _untabbed(text: str) -> str:
+    if "\t" in text and _is_json(text):
+        # YAML refuses a tab where JSON allows it (indentation); in valid JSON a tab can only
+        # be whitespace (a string holds it escaped), so spaces read the same, line for line
+        return text.replace("\t", " ")
+    return text
+
+
 def _is_json(text: str) -> bool:
     try:
         json.loads(text)
@@ -177,13 +207,9 @@ def _is_json(text: str) -> bool:
 
 def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
     """Parse the document and record the 1-based line of every key."""
-    if "\t" in text and _is_json(text):
-        # YAML refuses a tab where JSON allows it (indentation); in valid JSON a tab can only
-        # be whitespace (a string holds it escaped), so spaces read the same, line for line
-        text = text.replace("\t", " ")
     try:
-        root = yaml.compose(named_text(text, source), Loader=yaml.SafeLoader)
-        data = yaml.safe_load(named_text(text, source))
+        root = yaml.compose(named_text(_untabbed(text), source), Loader=YamlLoader)
+        data = read_yaml(text, source)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -274,6 +300,8 @@ def _describe(
             if isinstance(value, str) and loc and loc[-1].endswith("url"):
                 value = redact_url(value)  # a URL, maybe without its scheme: mask it as one
             msg += f" (got {value!r})"
+            if isinstance(value, str) and ":" in value and _BASE60_OR_OCTAL.fullmatch(value):
+                msg += "; write one plain number: 1:30 is not read as 90 (base 60)"
         where = _where(loc, data, origins) or source
         out.append(redact(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}"))
     return "\n".join(out)

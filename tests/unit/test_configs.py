@@ -493,6 +493,23 @@ def test_a_json_config_indented_with_tabs_loads_and_errors_keep_their_lines(tmp_
         load_config(write(tmp_path, "model:\n\tpreset: tiny\n"))
 
 
+def test_base_60_and_octal_numbers_are_not_read_as_yaml_1_1_would(tmp_path):
+    # PyYAML's YAML 1.1 read start_timeout_s: 1:30 as 90 and seed: 010 as 8, silently
+    text = MINIMAL + "run:\n  seed: 010\n  start_timeout_s: 1:30\n"
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    assert "run.yaml:5: run.start_timeout_s" in str(err.value)
+    assert "(got '1:30'); write one plain number: 1:30 is not read as 90" in str(err.value)
+    assert "seed" not in str(err.value)  # 010 is ten, as in YAML 1.2 (JSON has no 010)
+    cfg = load_config(write(tmp_path, MINIMAL), ["run.seed=010"])
+    assert cfg.run.seed == 10
+    with pytest.raises(ConfigError, match=r"override 'run.start_timeout_s=2:00'.*got '2:00'"):
+        load_config(write(tmp_path, MINIMAL), ["run.start_timeout_s=2:00"])
+    # what is a number in YAML 1.1 and 1.2 alike still is: 1e-6 text to a float field, 0x10
+    cfg = load_config(write(tmp_path, MINIMAL), ["learner.optimizer.lr=1e-6", "run.seed=0x10"])
+    assert (cfg.learner.optimizer.lr, cfg.run.seed) == (1e-6, 16)
+
+
 def test_a_config_as_data_masks_each_password_and_keeps_every_key():
     # redact() over the compact JSON masked from the URL's "host:" to the last '@' anywhere
     # after it: with an output_dir holding one, trainer.json lost the learner and sync

@@ -482,6 +482,18 @@ def test_labels_that_yaml_reads_as_numbers_still_name_their_run(tmp_path):
     assert [sweep.config(c).run.name for c in sweep.cells] == ["0.001", "null"]
 
 
+def test_sweep_files_are_read_as_configs_are(tmp_path):
+    # load_sweep read with yaml.safe_load: a JSON sweep indented with tabs was refused, and a
+    # grid value 1:30 became 90 (base 60) where the same value in a config is refused
+    (tmp_path / "base.yaml").write_text(BASE)
+    path = tmp_path / "s.json"
+    grid = {"run.seed": [0, 7]}
+    path.write_text(json.dumps({"base": "base.yaml", "grid": grid}, indent="\t"))
+    assert [c.name for c in load_sweep(path).cells] == ["seed-0", "seed-7"]
+    with pytest.raises(SweepError, match=r"(?s)cell start_timeout_s-1_30: .*got '1:30'"):
+        load_sweep(sweep_file(tmp_path, "grid: {run.start_timeout_s: [1:30]}\n"))
+
+
 def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fake_driver):
     from staleflow.cluster.sweep import _child_command, cell_status, run_sweep
 
