@@ -383,7 +383,12 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
     """The config a run was started with (config.json in its directory), with the overrides a
     resume may make. The stored config has its Redis password masked: an external server's
     URL must come again, from $STALEFLOW_REDIS_URL or buffer.redis_url=..."""
-    from staleflow.cluster.resume import ResumeError, check_resumable, resume_overrides_allowed
+    from staleflow.cluster.resume import (
+        RESUMABLE,
+        ResumeError,
+        check_resumable,
+        resume_overrides_allowed,
+    )
     from staleflow.cluster.rundir import RunDir
     from staleflow.configs import ConfigError, load_config
     from staleflow.configs.loader import password_masked
@@ -399,7 +404,18 @@ def _resumed_config(run_dir: str, config: str | None, overrides: list[str]) -> t
     except FileNotFoundError as exc:
         raise ResumeError(str(exc)) from None
     resume_overrides_allowed(overrides)
-    cfg = load_config(str(run.config), overrides)
+    try:
+        cfg = load_config(str(run.config), overrides)
+    except ConfigError as exc:
+        if f"  {run.config}:" not in str(exc):  # only the overrides are wrong
+            raise
+        # a value the bounds of this version refuse (they were looser), or a hand edit
+        raise ConfigError(
+            f"{exc}\nThe run's config cannot be resumed as it is. A key a resume may set can be "
+            f"given again (staleflow train --resume {run.path} KEY=VALUE; these may: "
+            f"{', '.join(RESUMABLE)}); for any other, resume with the staleflow version that "
+            "started the run, or start a new run"
+        ) from None
     check_resumable(run, cfg)  # before anything in the run directory changes
     url = cfg.buffer.redis_url
     if (

@@ -51,7 +51,7 @@ STATE_FORMAT = 1
 
 # What a resume may change (a longer run, more workers, where the buffer is); anything else
 # would make the resumed half a different experiment from the first.
-_RESUMABLE = (
+RESUMABLE = (
     "run.steps", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
     "run.tensorboard", "run.start_timeout_s", "rollout.num_workers", "rollout.max_restarts",
     "rollout.batch_timeout_s", "buffer.redis_url", "buffer.push_timeout_s",
@@ -63,13 +63,13 @@ class ResumeError(RuntimeError):
 
 
 def resume_overrides_allowed(overrides: list[str]) -> None:
-    """Refuse overrides a resume may not change (see `_RESUMABLE`)."""
+    """Refuse overrides a resume may not change (see `RESUMABLE`)."""
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        if key not in _RESUMABLE:
+        if key not in RESUMABLE:
             raise ResumeError(
                 f"{key} cannot change when a run resumes (it would train the rest of the run "
-                f"differently); a resume may set: {', '.join(_RESUMABLE)}"
+                f"differently); a resume may set: {', '.join(RESUMABLE)}"
             )
 
 
@@ -430,7 +430,7 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
     if not isinstance(saved, dict):
         return  # an older checkpoint without its config: nothing to compare
     now = flatten(redacted_dict(cfg))
-    free = {*_RESUMABLE, "run.name", "run.output_dir"}
+    free = {*RESUMABLE, "run.name", "run.output_dir"}
     for key, old in flatten(saved).items():
         new = now.get(key, old)  # a key this build added or dropped: not a change
         if key not in free and new != old:
@@ -438,7 +438,7 @@ def _check_same_config(run: RunDir, checkpoint: Path, saved: Any, cfg: Any) -> N
                 f"{key} is {json.dumps(new)} in {run.config} but {json.dumps(old)} in the "
                 f"checkpoint {checkpoint.name}: a resume continues the run as it was trained; "
                 f"put it back in config.json, or start a new run (a resume may set: "
-                f"{', '.join(_RESUMABLE)})"
+                f"{', '.join(RESUMABLE)})"
             )
 
 

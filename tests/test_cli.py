@@ -528,6 +528,31 @@ def test_a_model_directory_is_not_taken_for_a_run_directory(tmp_path):
     assert sorted(p.name for p in model.iterdir()) == before  # nothing written into it
 
 
+def test_a_run_whose_stored_config_is_now_refused_is_told_what_a_resume_can_do(tmp_path):
+    # a value an older staleflow took (looser bounds) made --resume say only that it was
+    # invalid, as if config.json could be edited
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs import dump_config, load_config
+
+    run = RunDir.create(str(tmp_path), "old")
+    data = json.loads(dump_config(load_config(REPO / "configs/tiny.yaml")))
+    data["learner"]["step_timeout_s"] = 0.5  # below today's bound of 10
+    text = json.dumps(data, indent=2)
+    run.config.write_text(text)
+    line = text[: text.index('"step_timeout_s"')].count("\n") + 1
+    out = staleflow("train", "--resume", str(run.path))
+    assert out.returncode == 2
+    assert f"{run.config}:{line}: learner.step_timeout_s" in out.stderr
+    assert f"given again (staleflow train --resume {run.path} KEY=VALUE;" in out.stderr
+    assert "resume with the staleflow version that started the run" in out.stderr
+    data["learner"]["step_timeout_s"] = 600  # an override's own error gets no such advice
+    run.config.write_text(json.dumps(data, indent=2))
+    out = staleflow("train", "--resume", str(run.path), "run.steps=0")
+    assert out.returncode == 2
+    assert "override 'run.steps=0': run.steps" in out.stderr
+    assert "cannot be resumed as it is" not in out.stderr
+
+
 def test_eval_of_a_run_with_another_task_leaves_the_run_s_task_files_behind(tmp_path):
     # --task on a custom run: its task.path and task.reward_fn, which the new task does not
     # read, were refused as ignored settings
