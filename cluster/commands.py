@@ -672,7 +672,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             return _fail(str(exc))
     else:
         results = {}
-        update_figures(sweep)  # columns, lines and threshold as the file says now
+        try:
+            update_figures(sweep)  # columns, lines and threshold as the file says now
+        except ConfigError as exc:  # (SweepError)
+            return _fail(str(exc))
     if not (sweep.directory / "sweep.json").is_file():
         return _fail(f"{sweep.directory} has no cells yet; run the sweep first")
     try:

@@ -233,6 +233,7 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
                 "mapping of labels to overrides ({grpo: {learner.loss: {name: grpo}}})"
             )
     names = list(axes)
+    _check_axes_apart(path, axes)
     columns = str(data.get("columns", names[0]))
     lines = str(data.get("lines", names[1] if len(names) > 1 else names[0]))
     for role, axis in (("columns", columns), ("lines", lines)):
@@ -243,7 +244,10 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         raise SweepError(
             f"{path}: threshold: must be a number (held-out accuracy), got {threshold!r}"
         )
-    directory = Path(output_dir or data.get("output_dir", "runs/sweeps")).expanduser() / name
+    out = output_dir or data.get("output_dir", "runs/sweeps")
+    if not isinstance(out, str | Path) or not str(out):
+        raise SweepError(f"{path}: output_dir: must be a directory path, got {out!r}")
+    directory = Path(out).expanduser() / name
     sweep = Sweep(
         name=name,
         source=path,
@@ -270,6 +274,26 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         sweep.cells.append(cell)
         sweep.configs[cell_name] = _cell_config(sweep, cell)
     return sweep
+
+
+def _check_axes_apart(path: Path, axes: dict[str, dict[str, tuple[str, ...]]]) -> None:
+    """Refuse a later axis that sets a key an earlier one sets, or a section holding it: the
+    later axis's value wins, so cells labelled apart would be the same run. (A later axis may
+    set a key inside an earlier one's section, e.g. learner.loss.epsilon_high after
+    learner.loss: {name: grpo}: the cells' overrides apply in axis order.)"""
+    keys = {
+        axis: {o.partition("=")[0] for overrides in values.values() for o in overrides}
+        for axis, values in axes.items()
+    }
+    for (a, a_keys), (b, b_keys) in itertools.combinations(keys.items(), 2):
+        for x, y in itertools.product(sorted(a_keys), sorted(b_keys)):
+            if x == y or x.startswith(f"{y}."):
+                what = y if x == y else f"{x} (inside {y}, which {b} sets whole)"
+                raise SweepError(
+                    f"{path}: grid axes {a} and {b} both set {what}: the later axis's value "
+                    "would win in each cell, so cells labelled apart would be the same run; "
+                    "set each key on one axis (or in overrides:, which every cell starts from)"
+                )
 
 
 def read_summary(run: Path) -> dict[str, Any] | None:
@@ -425,6 +449,15 @@ def update_figures(sweep: Sweep) -> None:
     spec = read_json_object(path)
     if spec is None:
         return
+    cells = spec.get("cells")
+    ran = set(cells[0].get("labels") or {}) if isinstance(cells, list) and cells else set()
+    for role, axis in (("columns", sweep.columns), ("lines", sweep.lines)):
+        if ran and axis not in ran:  # an axis added to the file since the cells ran
+            raise SweepError(
+                f"{sweep.source}: {role}: {axis!r} is not an axis the sweep's cells ran with "
+                f"({', '.join(sorted(ran))}); run the sweep (without --report-only) to run "
+                "the new cells, or set columns:/lines: to one of those"
+            )
     spec.update(columns=sweep.columns, lines=sweep.lines, threshold=sweep.threshold)
     write_text(path, json.dumps(spec, indent=2) + "\n")
 

@@ -88,6 +88,18 @@ grid:
             "y: {c: {sync.interval: 1}, b__c: {sync.interval: 2}}}\n",
             "two cells are both named 'a__b__c'",
         ),
+        # two axes setting one key: the later won, so cells labelled apart were one run
+        (
+            "grid: {steps: {s: {run.steps: 2}, l: {run.steps: 9}}, "
+            "seed: {a: {run.seed: 0, run.steps: 3}}}\n",
+            "grid axes steps and seed both set run.steps: the later axis's value would win",
+        ),
+        (  # a later axis's section replaces a key an earlier one set
+            "grid: {learner.loss.epsilon_high: [0.3, 0.4], "
+            "algo: {g: {learner.loss: {name: grpo}}}}\n",
+            r"both set learner\.loss\.epsilon_high \(inside learner\.loss, which algo sets whole\)",
+        ),
+        ("grid: {run.seed: [0]}\noutput_dir: 5\n", "output_dir: must be a directory path, got 5"),
         # lockstep with a bound below the schedule's worst lag cannot run: refused up front
         (
             "grid: {sync: {i4: {sync.mode: lockstep, sync.interval: 4, "
@@ -492,6 +504,31 @@ def test_sweep_files_are_read_as_configs_are(tmp_path):
     assert [c.name for c in load_sweep(path).cells] == ["seed-0", "seed-7"]
     with pytest.raises(SweepError, match=r"(?s)cell start_timeout_s-1_30: .*got '1:30'"):
         load_sweep(sweep_file(tmp_path, "grid: {run.start_timeout_s: [1:30]}\n"))
+
+
+def test_a_later_axis_may_set_a_key_inside_an_earlier_axis_s_section(tmp_path):
+    sweep = load_sweep(sweep_file(tmp_path, (
+        "grid: {algo: {g: {learner.loss: {name: grpo}}}, learner.loss.epsilon_high: [0.3, 0.4]}\n"
+    )))  # fmt: skip
+    got = [(sweep.config(c).learner.loss.name, sweep.config(c).learner.loss.epsilon_high)
+           for c in sweep.cells]  # fmt: skip
+    assert got == [("grpo", 0.3), ("grpo", 0.4)]
+
+
+def test_report_only_of_an_axis_the_cells_did_not_run_with_is_refused(tmp_path):
+    # columns: set to an axis added to the file after the cells ran: --report-only wrote it
+    # into sweep.json, then every report was a KeyError traceback
+    from staleflow.cluster.sweep import update_figures, write_sweep_json
+
+    path = sweep_file(tmp_path, "grid: {run.seed: [0, 1]}\n")
+    sweep = load_sweep(path, output_dir=tmp_path / "out")
+    sweep.directory.mkdir(parents=True)
+    write_sweep_json(sweep)
+    before = (sweep.directory / "sweep.json").read_text()
+    path.write_text("base: base.yaml\ngrid: {sync.interval: [1, 2], run.seed: [0, 1]}\n")
+    with pytest.raises(SweepError, match=r"columns: 'sync\.interval' is not an axis the sweep"):
+        update_figures(load_sweep(path, output_dir=tmp_path / "out"))
+    assert (sweep.directory / "sweep.json").read_text() == before  # left as the cells ran
 
 
 def test_a_redis_password_stays_out_of_sweep_json_and_command_lines(tmp_path, fake_driver):
