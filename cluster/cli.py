@@ -79,10 +79,20 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
 
     from staleflow.buffer.replay import BufferConnectionError, ReplayBuffer
     from staleflow.buffer.server import RedisServerError, read_server_url, redis_dir
-    from staleflow.cluster.rundir import RunDir, keys_named
+    from staleflow.cluster.rundir import RunDir, keys_named, read_json_object
 
-    state = _run_state(args.run_dir) if args.run_dir else None
+    state = None
     try:
+        if args.run_dir:
+            config = read_json_object(RunDir(args.run_dir).check_exists().config) or {}
+            state = _run_state(args.run_dir)
+            external = (config.get("buffer") or {}).get("redis_url")
+            if external and not args.redis_url:  # no embedded server to find the URL of
+                raise ValueError(
+                    f"run {Path(args.run_dir).name} uses an external Redis ({external}); give "
+                    "its URL, password included: --redis-url URL --run-dir "
+                    f"{args.run_dir}"
+                )
         if args.run_dir and not args.redis_url and state not in (None, "starting", "running"):
             raise ValueError(
                 f"run {Path(args.run_dir).name} is not running (state: {state}): its embedded "
@@ -126,7 +136,7 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             )
         with ReplayBuffer(url, run) as buffer:
             stats = buffer.stats()
-    except (BufferConnectionError, RedisServerError, ValueError) as exc:
+    except (BufferConnectionError, RedisServerError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     data = dataclasses.asdict(stats)

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -479,7 +480,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         run = RunDir(args.run_dir).check_exists()
     except FileNotFoundError as exc:
         return _fail(str(exc))
-    print(write_report(run))
+    try:
+        print(write_report(run))
+    except OSError as exc:  # a run directory this user cannot write, an unreadable file
+        return _fail(f"cannot write the report of {run.path}: {exc}")
     return 0
 
 
@@ -496,8 +500,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
     if args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}")
-    if args.timeout < 0:  # 0: leave the request and do not wait
-        return _fail(f"--timeout must be 0 or more, got {args.timeout:g}")
+    if not (math.isfinite(args.timeout) and args.timeout >= 0):  # 0: request, do not wait
+        return _fail(f"--timeout must be a number of seconds, 0 or more, got {args.timeout:g}")
     gone = _driver_gone(run, status)
     if gone:
         return _fail(gone)
@@ -509,7 +513,10 @@ def cmd_scale(args: argparse.Namespace) -> int:
     refusal = ipc_scale_refusal(method, reserved, args.workers)
     if refusal:
         return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
-    run.request_workers(args.workers)
+    try:
+        run.request_workers(args.workers)
+    except OSError as exc:  # another user's run, a control/ that is gone
+        return _fail(f"cannot write the scale request into {run.control}: {exc}")
     deadline = time.time() + args.timeout
     while time.time() < deadline:
         time.sleep(0.5)
@@ -559,6 +566,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             cfg = load_config(target / "config.json", overrides)  # a run: latest checkpoint
             try:
                 weights = _checkpoint_weights(target)
+            except CheckpointMissing as exc:
+                return _fail(str(exc))
             except Exception as exc:  # a damaged checkpoint: torn JSON, a truncated file
                 return _fail(
                     f"cannot read the latest checkpoint of {target}: {type(exc).__name__}: "
@@ -572,10 +581,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
             model = json.dumps({"model": {"path": str(target)}})  # JSON is YAML
             cfg = parse_config(model, overrides, source=f"{target} (model directory)")
             weights = None
+        elif not target.is_dir():
+            return _fail(f"{target} is not a directory; give a run directory or a model one")
         else:
             return _fail(
-                f"{target} is neither a run directory (config.json) nor a Hugging Face model "
-                "directory (config.json + model.safetensors)"
+                f"{target} is neither a run directory (config.json + checkpoints/) nor a "
+                "Hugging Face model directory (config.json + model.safetensors)"
             )
         check_engine_installed(cfg, None)  # the engine runs in this process
     except ConfigError as exc:
@@ -599,14 +610,31 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+class CheckpointMissing(LookupError):
+    """checkpoints/LATEST is missing or names no directory, in a run that made checkpoints."""
+
+
 def _checkpoint_weights(run_dir: Path) -> tuple[int, dict[str, Any]] | None:
     import torch
     from safetensors.torch import load_file
 
     from staleflow.cluster.rundir import RunDir
 
-    path = RunDir(run_dir).latest_checkpoint()
+    run = RunDir(run_dir)
+    path = run.latest_checkpoint()
     if path is None:
+        # no LATEST, or one naming a directory that is gone: evaluating the initial weights
+        # instead would report a trained run's accuracy as its untrained model's
+        made = sorted(p.name for p in run.checkpoints.glob("step-*") if p.is_dir())
+        latest = run.checkpoints / "LATEST"
+        named = latest.read_text().strip() if latest.is_file() else None
+        if named is not None or made:
+            which = f"names {named!r}, which is missing" if named else "is missing"
+            have = f"it has {', '.join(made)}" if made else "it has no checkpoint directory"
+            raise CheckpointMissing(
+                f"{latest} {which}; {have}: write the name of the one to evaluate into "
+                f"{latest}, or evaluate a model directory"
+            )
         return None
     trainer = json.loads((path / "trainer.json").read_text())
     arrays = {}
@@ -709,14 +737,19 @@ def cmd_replay(args: argparse.Namespace) -> int:
         )
     except (ReplayError, FileNotFoundError, ModelError) as exc:
         return _fail(str(exc))
+    except OSError as exc:  # a file of the run this user cannot read, a directory for a file
+        return _fail(f"cannot read the run {args.run_dir}: {exc}")
     except DeviceError:  # its own advice (a GPU share of 0) is no option here
         return _fail("the run's learner trained on a GPU, and this process sees no CUDA "
                      "device; replay rebuilds the learner as the run had it: replay this run "
                      "on a machine with a GPU")  # fmt: skip
     worst = ", ".join(f"{k} {v:.1e}" for k, v in sorted(result.worst.items()))
     print(f"replayed {result.steps} steps; largest relative differences: {worst}")
+    if result.compared < result.steps:  # (replay stops at the first step the run never logged)
+        print("the last step replayed has no metrics in the run (it stopped before logging "
+              "it): not compared")  # fmt: skip
     if result.ok:
-        print("every step reproduced the run's metrics")
+        print(f"every step compared ({result.compared}) reproduced the run's metrics")
         return 0
     print("\n".join(["MISMATCH:", *result.mismatches[:20]]))
     return 1

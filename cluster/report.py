@@ -85,7 +85,8 @@ def write_report(run: RunDir) -> Path:
     fig, (hist, over) = plt.subplots(1, 2, figsize=(10, 3.5))
     lags: Counter[int] = Counter()
     for r in steps:
-        for value, count in r.get("lag_counts", {}).items():
+        counts = r.get("lag_counts")
+        for value, count in counts.items() if isinstance(counts, dict) else ():
             lags[int(value)] += int(count)
     if lags:
         hist.bar(list(lags), list(lags.values()))
@@ -133,7 +134,7 @@ def write_report(run: RunDir) -> Path:
     for ax, parts in ((learner_ax, TIMELINE), (workers_ax, WORKER_TIMELINE)):
         bottom = [0.0] * len(steps)
         for key, label in parts:
-            y = [float(r.get(f"time_{key}_s", 0.0)) for r in steps]
+            y = [_number(r.get(f"time_{key}_s")) for r in steps]
             if any(y):
                 ax.bar(x, y, bottom=bottom, label=label, width=0.9)
                 bottom = [b + v for b, v in zip(bottom, y, strict=True)]
@@ -148,12 +149,17 @@ def write_report(run: RunDir) -> Path:
         summary = json.loads(run.summary.read_text()) if run.summary.is_file() else {}
         if not isinstance(summary, dict):
             raise ValueError(f"a JSON {type(summary).__name__}, not an object")
-    except ValueError as exc:  # a damaged file: the plots still come from metrics.jsonl
+    except (ValueError, OSError) as exc:  # damaged, unreadable: the plots still come
         logger.warning("%s cannot be read (%s): the report has no summary", run.summary, exc)
         summary = {}
     config = run.config.read_text() if run.config.is_file() else "{}"
     run.report.write_text(_html(run, summary, config, len(steps)))
     return run.report
+
+
+def _number(value: Any) -> float:
+    """A timeline part's seconds; 0 where the record has none (or not a number)."""
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def _save(fig: Any, path: Path) -> None:

@@ -42,6 +42,8 @@ __all__ = [
     "write_text",
 ]
 
+logger = logging.getLogger(__name__)
+
 
 def write_json(path: Path, data: Any) -> None:
     """Write atomically: a reader sees the old file or the new one, never half of one."""
@@ -320,12 +322,29 @@ class MetricsWriter:
 
 
 def read_metrics(path: Path) -> Iterator[dict[str, Any]]:
-    """Records of a metrics.jsonl; a torn last line (a crash mid-write) is skipped."""
+    """Records of a metrics.jsonl: objects with a string `kind` and an integer `step`, as
+    `Metrics.write` makes them. A torn last line (a crash mid-write) is skipped; any other
+    line that is no such record (a hand edit, a damaged disk) is skipped with a warning
+    naming it, so a report or resume reads the rest."""
     if not path.is_file():
         return
-    with path.open() as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue
+    with path.open(encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if (
+            isinstance(record, dict)
+            and isinstance(record.get("kind"), str)
+            and type(record.get("step")) is int
+        ):
+            yield record
+        elif number < len(lines) or line.endswith("\n"):  # not the torn end of a crash
+            logger.warning(
+                "%s:%d is not a metrics record (an object with kind and step): skipped: %.80r",
+                path, number, line.rstrip("\n"),
+            )  # fmt: skip

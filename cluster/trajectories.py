@@ -104,9 +104,10 @@ class TrajectoryLog:
 
 
 def read_trajectories(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str], limit: int | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, Group]]:
-    """(steps, groups by id) as recorded; a torn last record (a crash mid-write) is ignored."""
+    """(steps, groups by id) as recorded, the first `limit` steps if given; a torn last record
+    (a crash mid-write) is ignored, a damaged one before it is a ReplayError naming it."""
     directory = Path(directory)
     steps_path, groups_path = directory / "steps.jsonl", directory / "groups.bin"
     if not steps_path.exists() or not groups_path.exists():
@@ -116,21 +117,49 @@ def read_trajectories(
         )
     groups = {g.group_id: g for g in _read_groups(groups_path)}
     steps = []
-    for line in steps_path.read_text(encoding="utf-8").splitlines():
+    lines = steps_path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines[:limit], 1):
         try:
-            steps.append(json.loads(line))
+            entry = json.loads(line)
         except json.JSONDecodeError:
-            break  # torn by a crash: everything before it is whole
+            if number == len(lines):
+                break  # torn by a crash: everything before it is whole
+            entry = None
+        if not _is_step_entry(entry):
+            before = f" (--steps {number - 1} replays the steps before it)" if number > 1 else ""
+            raise ReplayError(
+                f"{steps_path}:{number} is damaged (not a step record: step, learner_version, "
+                f"groups of [id, version]): {line[:80]!r}; the run cannot be replayed past "
+                f"it{before}"
+            )
+        steps.append(entry)
     return steps, groups
+
+
+def _is_step_entry(entry: Any) -> bool:
+    """A steps.jsonl record as `TrajectoryLog` writes it."""
+    return (
+        isinstance(entry, dict)
+        and type(entry.get("step")) is int
+        and type(entry.get("learner_version")) is int
+        and isinstance(entry.get("groups"), list)
+        and all(
+            isinstance(g, list) and len(g) == 2 and isinstance(g[0], str) and type(g[1]) is int
+            for g in entry["groups"]
+        )
+    )
 
 
 def _records(path: Path) -> Iterator[tuple[int, bytes]]:
     """Each whole record of groups.bin, with the offset where it ends; stops at a record
     torn by a crash mid-write."""
     end = 0
+    size = path.stat().st_size
     with open(path, "rb") as f:
         while len(header := f.read(_LEN.size)) == _LEN.size:
             (n,) = _LEN.unpack(header)
+            if n > size - f.tell():  # (a damaged length would ask read() for exabytes)
+                return
             data = f.read(n)
             if len(data) < n:
                 return
@@ -167,6 +196,8 @@ class ReplayResult:
     worst: dict[str, float]  # metric -> largest relative difference over the steps
     mismatches: list[str]  # "step 3: loss 0.12 (run) vs 0.13 (replay)"
     records: list[dict[str, float]]  # the replay's per-step metrics
+    compared: int = 0  # steps compared with the run's metrics (the last one replayed may
+    # have none: a run that crashed before logging it)
 
     @property
     def ok(self) -> bool:
@@ -192,17 +223,24 @@ def replay(
 
     if steps is not None and steps < 1:
         raise ReplayError(f"--steps must be at least 1, got {steps}")
+    for flag, value in (("--rtol", rtol), ("--atol", atol)):
+        if not (math.isfinite(value) and value >= 0):  # nan or < 0: every step a mismatch
+            raise ReplayError(f"{flag} must be a finite number >= 0, got {value}")
     run = RunDir(Path(run_dir)).check_exists()
-    recorded, groups = read_trajectories(run.trajectories)
+    recorded, groups = read_trajectories(run.trajectories, steps)
     try:
         cfg = parse_config(run.config.read_text(encoding="utf-8"), source=str(run.config))
     except ConfigError as exc:  # edited by hand, or from another staleflow version
         raise ReplayError(f"cannot replay {run.path}: its config does not load: {exc}") from None
-    logged = {int(r["step"]): r for r in read_metrics(run.metrics) if r.get("kind") == "step"}
-    if steps is not None:
-        recorded = recorded[:steps]
+    logged = {r["step"]: r for r in read_metrics(run.metrics) if r["kind"] == "step"}
     if not recorded:
         raise ReplayError(f"{run.trajectories} records no learner step to replay")
+    if recorded[0]["step"] not in logged:  # replaying would compare nothing
+        raise ReplayError(
+            f"{run.metrics} has no record of step {recorded[0]['step']} (the file is missing, "
+            "or was cut or edited): replay compares each step with the run's own metrics; "
+            "restore it from the run"
+        )
     if cfg.learner.num_ranks != 1:
         raise ReplayError(
             f"the run used {cfg.learner.num_ranks} learner ranks; replay rebuilds one rank, "
@@ -215,6 +253,7 @@ def replay(
     worst: dict[str, float] = {}
     mismatches: list[str] = []
     records = []
+    compared = 0
     for entry in recorded:
         missing = [gid for gid, _ in entry["groups"] if gid not in groups]
         if missing:
@@ -222,9 +261,10 @@ def replay(
         batch = [groups[gid] for gid, _ in entry["groups"]]
         metrics = learner.step(batch, entry["learner_version"])
         records.append(metrics)
-        run_metrics = logged.get(int(entry["step"]))
+        run_metrics = logged.get(entry["step"])
         if run_metrics is None:  # the run stopped before logging it (e.g. a crash)
             break
+        compared += 1
         for key in COMPARED:
             if key not in metrics or key not in run_metrics:
                 continue
@@ -237,4 +277,4 @@ def replay(
                 mismatches.append(f"step {entry['step']}: {key} {a:.9g} (run) vs {b:.9g} (replay)")
         if on_step is not None:
             on_step(int(entry["step"]), metrics)
-    return ReplayResult(len(records), worst, mismatches, records)
+    return ReplayResult(len(records), worst, mismatches, records, compared)

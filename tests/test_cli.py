@@ -166,6 +166,8 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
     assert "no run 'other' in the buffer" in out.stderr
 
     run_dir = RunDir.create(str(tmp_path), "job").path  # with its run-key file
+    config = staleflow("config", "configs/tiny.yaml").stdout  # a driver writes it first
+    (run_dir / "config.json").write_text(config)
     with RedisServer(redis_dir(run_dir)) as server:  # the embedded server of a running job
         push(server.url, "job", [0, 0, 0])  # a same-named run keyed by its name: not this one
         push(server.url, RunDir(run_dir).key, [5])
@@ -176,6 +178,7 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
         starting = tmp_path / "starting"
         (starting / "status.json").parent.mkdir()
         (starting / "status.json").write_text('{"state": "starting"}')
+        (starting / "config.json").write_text(config)
         (starting / "redis").symlink_to(redis_dir(run_dir))
         held = RunDir(starting).lock()  # as its driver holds it
         try:
@@ -192,9 +195,26 @@ def test_buffer_stats_against_a_url_and_through_a_run_dir(redis_url, tmp_path):
 
 
 def test_buffer_stats_errors_are_clear(tmp_path):
+    out = staleflow("buffer", "stats", "--run-dir", str(tmp_path / "gone"))
+    assert out.returncode == 2  # it said no server was recorded there, as if the run were
+    assert "gone is not a staleflow run directory (no config.json)" in out.stderr
+    out = staleflow("buffer", "stats", "--run-dir", str(tmp_path / "gone" / "config.json"))
+    assert "not a staleflow run directory" in out.stderr  # (a file: NotADirectoryError)
+    assert "Traceback" not in out.stderr
+    data = json.loads(staleflow("config", "configs/tiny.yaml").stdout)
+    (tmp_path / "config.json").write_text(json.dumps(data))
     out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
     assert out.returncode == 2
     assert "no embedded Redis server recorded" in out.stderr
+    # a run on an external server: the URL is to be given (config.json has it masked)
+    data["buffer"]["redis_url"] = "redis://:***@db.example:6379/0"
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "uses an external Redis (redis://:***@db.example:6379/0); give its URL" in out.stderr
+    assert f"--redis-url URL --run-dir {tmp_path}" in out.stderr
+    data["buffer"]["redis_url"] = None
+    (tmp_path / "config.json").write_text(json.dumps(data))
     # a finished run: its server stopped with it; say where its final counts are
     (tmp_path / "status.json").write_text('{"state": "completed"}')
     out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
@@ -413,9 +433,10 @@ def test_scale_of_a_run_whose_driver_is_gone_says_so_at_once(tmp_path):
     assert f"(driver pid {dead.pid} on {socket.gethostname()})" in out.stderr
     assert f"staleflow train --resume {run.path}" in out.stderr
     assert not (run.control / "scale.json").exists()  # no request left behind
-    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "-1")
-    assert out.returncode == 2
-    assert "--timeout must be 0 or more, got -1" in out.stderr
+    for bad in ("-1", "nan"):  # nan waited for nothing, then "did not confirm within nan s"
+        out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", bad)
+        assert out.returncode == 2
+        assert f"--timeout must be a number of seconds, 0 or more, got {bad}" in out.stderr
 
 
 def test_scale_asks_the_run_directory_lock_whether_the_driver_lives(tmp_path):
@@ -499,10 +520,65 @@ def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
         assert ("cannot be read" in out.stderr) == (damaged != '{"groups": 3}')
 
 
-def test_replay_refuses_steps_below_one(tmp_path):
+def test_replay_refuses_steps_below_one_and_tolerances_no_step_could_meet(tmp_path):
     out = staleflow("replay", str(tmp_path), "--steps", "0")
     assert out.returncode == 2
     assert "--steps must be at least 1, got 0" in out.stderr
+    # nan or below 0: every step, identical numbers included, was a MISMATCH, after the
+    # whole replay had run
+    for flag, bad in (("--rtol", "nan"), ("--atol", "-1")):
+        out = staleflow("replay", str(tmp_path), flag, bad)
+        assert out.returncode == 2
+        assert f"{flag} must be a finite number >= 0, got {float(bad)}" in out.stderr
+
+
+def test_report_reads_past_metrics_lines_that_are_no_records(tmp_path):
+    # read_metrics passed on any JSON line: 5, or a record with no kind or step, or a
+    # field of another type, each a traceback in report (and replay, and a resume's checks)
+    from staleflow.cluster.rundir import RunDir
+
+    run = RunDir.create(str(tmp_path), "edited")
+    run.config.write_text(staleflow("config", "configs/tiny.yaml").stdout)
+    good = {"kind": "step", "step": 1, "reward_mean": 0.5, "time_take_s": 0.1}
+    lines = [
+        json.dumps(good),
+        "5",
+        '{"step": 2}',
+        '{"kind": "step"}',
+        '{"kind": "step", "step": 2, "lag_counts": [1, 2], "time_take_s": null}',
+    ]
+    data = ("\n".join(lines) + "\n").encode() + b"\xff\xfe not UTF-8\n" + b'{"kind": "st'
+    run.metrics.write_bytes(data)  # the last line torn by a crash
+    out = staleflow("report", str(run.path))
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    for number in (2, 3, 4, 6):  # the torn last line is expected after a crash: no warning
+        assert f"metrics.jsonl:{number} is not a metrics record" in out.stderr
+    assert "metrics.jsonl:7" not in out.stderr
+    assert "metrics.jsonl:5" not in out.stderr  # a record, its odd fields read as none
+    assert run.report.is_file()
+
+
+def test_eval_of_a_run_whose_latest_checkpoint_is_gone_is_refused(tmp_path):
+    # it evaluated the initial weights instead, exit 0: an untrained model's accuracy
+    # reported for a trained run
+    from staleflow.cluster.rundir import RunDir
+
+    run = RunDir.create(str(tmp_path), "trained")
+    run.config.write_text(staleflow("config", "configs/tiny.yaml").stdout)
+    (run.checkpoints / "step-000005").mkdir()
+    (run.checkpoints / "LATEST").write_text("step-5\n")  # typed by hand, say
+    out = staleflow("eval", str(run.path), "--prompts", "2")
+    assert out.returncode == 2
+    assert f"{run.checkpoints / 'LATEST'} names 'step-5', which is missing; it has " \
+           "step-000005: write the name" in out.stderr  # fmt: skip
+    (run.checkpoints / "LATEST").unlink()
+    out = staleflow("eval", str(run.path), "--prompts", "2")
+    assert out.returncode == 2
+    assert "LATEST is missing; it has step-000005" in out.stderr
+    out = staleflow("eval", str(tmp_path / "nothing"))
+    assert out.returncode == 2
+    assert "nothing is not a directory; give a run directory or a model one" in out.stderr
 
 
 def test_train_workers_flag_below_one_is_named_as_the_flag():

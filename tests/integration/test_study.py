@@ -101,6 +101,41 @@ def test_replay_detects_a_changed_sequence(async_run, tmp_path):
     assert "step 3:" in proc.stdout
 
 
+def test_replay_says_what_it_compared_and_names_a_damaged_step(async_run, tmp_path, capsys):
+    # An empty metrics.jsonl replayed every step, compared none, and said "every step
+    # reproduced the run's metrics"; a step record without its groups was a KeyError after
+    # the learner was built.
+    import argparse
+    import shutil
+
+    from staleflow.cluster.commands import cmd_replay
+    from staleflow.cluster.trajectories import ReplayError
+
+    copy = tmp_path / "copy"
+    shutil.copytree(async_run.path, copy)
+    metrics = copy / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    metrics.write_text("")
+    with pytest.raises(ReplayError, match=r"metrics\.jsonl has no record of step 1"):
+        replay(copy)
+    # a run that stopped after logging step 2: step 3 is replayed, not compared
+    kept = [r for r in records if r["kind"] != "step" or r["step"] <= 2]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    args = argparse.Namespace(run_dir=str(copy), steps=None, rtol=1e-5, atol=1e-7)
+    assert cmd_replay(args) == 0
+    out = capsys.readouterr().out
+    assert "replayed 3 steps" in out
+    assert "the last step replayed has no metrics in the run" in out
+    assert "every step compared (2) reproduced the run's metrics" in out
+    steps = copy / "trajectories" / "steps.jsonl"
+    lines = steps.read_text().splitlines()
+    lines[1] = '{"step": 2, "learner_version": 1}'  # damaged: no groups
+    steps.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReplayError, match=r"steps\.jsonl:2 is damaged .*\(--steps 1 replays"):
+        replay(copy)
+    assert replay(copy, steps=1).compared == 1  # the steps before it still replay
+
+
 def test_replay_refuses_a_run_without_trajectories(tmp_path):
     run = RunDir.create(str(tmp_path), "bare")
     run.config.write_text(json.dumps({"model": {"preset": "tiny"}}))
