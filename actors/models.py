@@ -190,8 +190,17 @@ def _check_dir(path: Path) -> None:
     if not path.exists():
         raise ModelError(f"model directory {path} does not exist; set model.path to a local "
                          "Hugging Face model directory or use model.preset")  # fmt: skip
+    if not path.is_dir():
+        raise ModelError(f"model.path {path} is a file; give the directory that holds the "
+                         "model's config.json and weights")  # fmt: skip
     if not (path / "config.json").is_file():
         raise ModelError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    if (path / "run-key").is_file() and (path / "checkpoints").is_dir():
+        raise ModelError(
+            f"{path} is a staleflow run directory, not a Hugging Face model directory: "
+            f"continue that run with `staleflow train --resume {path}`, or set model.path "
+            "to a model directory"
+        )
 
 
 def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:

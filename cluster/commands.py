@@ -547,7 +547,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     target = Path(args.target)
     overrides = list(args.overrides)
-    if args.task:
+    if args.task is not None:  # (an empty --task '' is refused by the schema, not ignored)
         # The run's own task file or reward function means nothing to another task: cleared
         # first (an override of the user's own, after, still sets one the new task reads).
         overrides = [

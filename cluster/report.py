@@ -179,7 +179,8 @@ def _html(run: RunDir, summary: dict[str, Any], config: str, steps: int) -> str:
     groups = summary.get("groups")
     groups = groups if isinstance(groups, dict) else {}
     group_rows = "".join(
-        f"<tr><th>{html.escape(k)}</th><td>{v}</td></tr>" for k, v in groups.items()
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>"
+        for k, v in groups.items()
     )
     figures = "".join(
         f'<h2>{title}</h2><img src="plots/{name}.png" alt="{title}">' for name, title in PLOTS

@@ -240,7 +240,11 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         if axis not in axes:
             raise SweepError(f"{path}: {role}: {axis!r} is not an axis; axes: {names}")
     threshold = data.get("threshold", 0.5)
-    if not isinstance(threshold, (int, float)) or not math.isfinite(threshold):
+    if (
+        not isinstance(threshold, int | float)
+        or isinstance(threshold, bool)  # YAML's yes / on / true
+        or not math.isfinite(threshold)
+    ):
         raise SweepError(
             f"{path}: threshold: must be a number (held-out accuracy), got {threshold!r}"
         )

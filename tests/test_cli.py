@@ -302,6 +302,7 @@ def test_eval_refuses_bad_options_and_a_broken_model_directory_in_one_line(tmp_p
     for args, message in [
         (["--prompts", "0"], "--prompts must be at least 1, got 0"),
         (["--temperature", "-1"], "eval_temperature"),
+        (["--task", ""], "task.name: unknown task ''"),  # was ignored: the model's task ran
     ]:
         out = staleflow("eval", model, "--task", "digits", *args)
         assert out.returncode == 2, out.stdout
@@ -338,9 +339,18 @@ def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_pat
     long = tmp_path / "long.jsonl"  # line 3 is far beyond the tiny model's 256 positions
     rows = [{"prompt": "1+1 " * 200 if i == 3 else f"q{i}"} for i in range(1, 41)]
     long.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from staleflow.cluster.rundir import RunDir
+
+    run = RunDir.create(str(tmp_path / "runs"), "earlier").path  # a run's config.json is
+    (run / "config.json").write_text("{}")  # no model's: it passed `config` as a model
     for overrides, message in [
         (["model.preset=null", f"model.path={missing}"], f"model directory {missing} does not"),
         (["model.preset=null", f"model.path={tmp_path}"], "it has no config.json"),
+        (["model.preset=null", f"model.path={run}"],
+         f"{run} is a staleflow run directory, not a Hugging Face model directory: continue "
+         f"that run with `staleflow train --resume {run}`"),
+        (["model.preset=null", f"model.path={run / 'config.json'}"],
+         "config.json is a file; give the directory that holds the model's config.json"),
         (["task.name=gsm8k", f"task.path={missing}.jsonl"], "no such file"),
         (["task.name=custom", f"task.path={missing}.jsonl", "task.reward_fn=nope.x:f"],
          "cannot import reward function 'nope.x:f'"),
@@ -549,6 +559,7 @@ def test_report_reads_past_metrics_lines_that_are_no_records(tmp_path):
     ]
     data = ("\n".join(lines) + "\n").encode() + b"\xff\xfe not UTF-8\n" + b'{"kind": "st'
     run.metrics.write_bytes(data)  # the last line torn by a crash
+    run.summary.write_text(json.dumps({"groups": {"pushed": "<b>80</b>"}}))  # edited, say
     out = staleflow("report", str(run.path))
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
@@ -556,7 +567,8 @@ def test_report_reads_past_metrics_lines_that_are_no_records(tmp_path):
         assert f"metrics.jsonl:{number} is not a metrics record" in out.stderr
     assert "metrics.jsonl:7" not in out.stderr
     assert "metrics.jsonl:5" not in out.stderr  # a record, its odd fields read as none
-    assert run.report.is_file()
+    page = run.report.read_text()
+    assert "<td>&lt;b&gt;80&lt;/b&gt;</td>" in page  # the groups table was not escaped
 
 
 def test_eval_of_a_run_whose_latest_checkpoint_is_gone_is_refused(tmp_path):

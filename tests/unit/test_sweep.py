@@ -68,6 +68,7 @@ grid:
         ("grid: {run.seed: [0]}\ncolumns: sync\n", "columns: 'sync' is not an axis"),
         ("grid: {run.seed: [0]}\nthreshold: high\n", "threshold: must be a number"),
         ("grid: {run.seed: [0]}\nthreshold: .nan\n", "threshold: must be a number"),
+        ("grid: {run.seed: [0]}\nthreshold: yes\n", "threshold: must be a number"),  # was 1.0
         ("grid: {run.name: [!!set {a}]}\n", r"run\.name: \{'a'\} is not a config value"),
         ("grid: {sync: {bad: {sync.interval: 0}}}\n", r"(?s)cell bad: .*sync\.interval"),
         # YAML reads an unquoted on / off / yes / no as a boolean, which is no label
