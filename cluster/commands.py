@@ -246,22 +246,38 @@ def _fail(message: str) -> int:
 def ray_address(given: str | None) -> str | None:
     """The Ray cluster to join: --address, else $RAY_ADDRESS as Ray's own scripts take it
     (`ray job submit` sets it to 'auto' for its entrypoint), unless that says 'local'. None
-    starts a Ray of the run's own, even where `ray start` runs on this machine."""
-    if given:
-        return given
+    starts a Ray of the run's own, even where `ray start` runs on this machine; so does
+    --address local. An http(s):// address (the dashboard's, for `ray job submit`) is a
+    ClusterUnreachable naming the addresses to give instead."""
+    from staleflow.cluster.failures import ClusterUnreachable
+
     env = os.environ.get("RAY_ADDRESS", "").strip()
-    if not env or env == "local":
+    address, source = (given.strip(), "--address") if given else (env, "$RAY_ADDRESS")
+    if not address or address == "local":
         return None
-    print(
-        f"staleflow: joining the Ray cluster at {env} from $RAY_ADDRESS (unset it, or set it "
-        "to 'local', to start a Ray of this run's own)",
-        file=sys.stderr,
-    )
-    return env
+    if address.lower().startswith(("http://", "https://")):
+        raise ClusterUnreachable(
+            f"{source} {address} is the Ray dashboard's address, which `ray job submit` takes; "
+            "a run joins the cluster itself: give the head's GCS address (HOST:6379, or auto "
+            "on a node of the cluster) or ray://HOST:10001 for Ray Client"
+            + ("; or unset RAY_ADDRESS to start a Ray of the run's own" if not given else "")
+        )
+    if not given:
+        print(
+            f"staleflow: joining the Ray cluster at {address} from $RAY_ADDRESS (unset it, or "
+            "set it to 'local', to start a Ray of this run's own)",
+            file=sys.stderr,
+        )
+    return address
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    args.address = ray_address(args.address)
+    from staleflow.cluster.failures import ClusterUnreachable
+
+    try:
+        args.address = ray_address(args.address)
+    except ClusterUnreachable as exc:
+        return _fail(str(exc))
     with contextlib.ExitStack() as held:  # the run directory's lock, until the run ends
         return _train(args, held)
 
@@ -652,7 +668,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.parallel < 1:
         return _fail(f"--parallel must be at least 1, got {args.parallel}")
     if not args.dry_run and not args.report_only:
-        args.address = ray_address(args.address)
+        try:
+            args.address = ray_address(args.address)
+        except ClusterUnreachable as exc:
+            return _fail(str(exc))
     try:
         sweep = load_sweep(args.sweep_file, output_dir=args.out)
     except ConfigError as exc:

@@ -259,9 +259,19 @@ def test_ray_address_defaults_to_the_environment_as_ray_s_own_scripts_do(monkeyp
     assert ray_address(None) == "auto"
     assert "joining the Ray cluster at auto from $RAY_ADDRESS" in capsys.readouterr().err
     assert ray_address("10.0.0.1:6379") == "10.0.0.1:6379"  # --address wins
+    assert ray_address("local") is None  # it joined a cluster named "local", unsized
     for own in ("local", " ", ""):
         monkeypatch.setenv("RAY_ADDRESS", own)
         assert ray_address(None) is None
+    # the dashboard's address, as exported for `ray job submit`: named, not tried as GCS
+    from staleflow.cluster.failures import ClusterUnreachable
+
+    monkeypatch.setenv("RAY_ADDRESS", "http://10.0.0.1:8265")
+    with pytest.raises(ClusterUnreachable, match=r"\$RAY_ADDRESS http://10.0.0.1:8265 is the Ray "
+                       r"dashboard's address.*HOST:6379.*unset RAY_ADDRESS"):  # fmt: skip
+        ray_address(None)
+    with pytest.raises(ClusterUnreachable, match="--address https://h:8265 is the Ray dash"):
+        ray_address("https://h:8265")
 
 
 def test_options_and_overrides_go_in_any_order():
