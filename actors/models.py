@@ -103,6 +103,28 @@ def context_of(config: Any) -> int | None:
     return int(n) if n else None
 
 
+def known_context(cfg: Any) -> int | None:
+    """The context a run's engine gives the model (prompt + response tokens), where it is
+    known without loading or converting anything: vLLM's max_model_len if set (else vLLM
+    decides), the tiny preset's, or the config.json of a model directory (the SmolLM2
+    preset's once converted)."""
+    if cfg.rollout.engine == "vllm":
+        return cfg.rollout.vllm.max_model_len  # type: ignore[no-any-return]
+    if cfg.model.preset == "tiny":
+        return TINY_CONTEXT
+    path = (
+        cache_dir() / "models" / "smollm2-135m-instruct"
+        if cfg.model.preset == "smollm2-135m"
+        else Path(cfg.model.path)
+    )
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # not converted yet, or unreadable: loading it says what is wrong
+    n = config.get("max_position_embeddings") or config.get("n_positions")
+    return n if type(n) is int and n > 0 else None
+
+
 def prompt_ids(tokenizer: Any, texts: list[str], chat_template: bool) -> list[list[int]]:
     """Token ids of prompts as the model sees them: each text the user's message in the
     tokenizer's chat template (when `chat_template` and it has one), else the raw text."""

@@ -90,8 +90,8 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             if external and not args.redis_url:  # no embedded server to find the URL of
                 raise ValueError(
                     f"run {Path(args.run_dir).name} uses an external Redis ({external}); give "
-                    "its URL, password included: --redis-url URL --run-dir "
-                    f"{args.run_dir}"
+                    "its URL, password included, and the run's key: --redis-url URL --run "
+                    f"{RunDir(args.run_dir).key}"
                 )
         if args.run_dir and not args.redis_url and state not in (None, "starting", "running"):
             raise ValueError(

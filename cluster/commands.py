@@ -157,10 +157,11 @@ def check_before_start(cfg: Any, *, held_out: bool = True) -> None:
     the driver loads it, or whose tokenizer has no chat template the task asks for
     (ModelError), a task file's prompt too long for the model's context (PromptTooLongError;
     this loads the tokenizer, and converts the smollm2-135m preset once)."""
-    from staleflow.actors.models import check_model_source, check_prompt_lengths
+    from staleflow.actors.models import check_model_source, check_prompt_lengths, known_context
     from staleflow.actors.tasks import make_task
     from staleflow.cluster.resources import check_sync_method
     from staleflow.cluster.schedule import check_schedule
+    from staleflow.configs import ConfigError
 
     check_schedule(cfg)
     check_sync_method(cfg)
@@ -168,6 +169,13 @@ def check_before_start(cfg: Any, *, held_out: bool = True) -> None:
     if held_out:  # an empty held-out set, refused now (not by every evaluation of the run)
         task.eval_prompts(min(cfg.task.eval_prompts, 1))
     check_model_source(cfg.model, chat_template=task.chat_template)
+    context, new = known_context(cfg), cfg.rollout.max_new_tokens
+    if context is not None and new >= context:  # no prompt fits: found at step 0's evaluation
+        raise ConfigError(
+            f"rollout.max_new_tokens={new} leaves no room for a prompt in the model's context "
+            f"of {context} tokens (prompt + response); lower it, leaving room for the longest "
+            "prompt"
+        )
     if cfg.task.path is not None:  # every prompt of the files (others are drawn, unbounded)
         files = ", ".join(p for p in (cfg.task.path, cfg.task.eval_path) if p)
         prompts = [*getattr(task, "train", []), *getattr(task, "eval", [])]

@@ -295,11 +295,6 @@ def check_sync_method(cfg: Any) -> None:
                 f"sync.method: {sync.method} with lockstep evaluates only published versions: "
                 f"run.eval_every ({every}) must be a multiple of sync.interval ({sync.interval})"
             )
-    if broadcast and rollout.engine == "vllm" and rollout.gpus_per_worker > 1:
-        raise PlacementError(
-            f"sync.method: {sync.method} with a vLLM engine over several GPUs is not "
-            "supported; use rollout.gpus_per_worker <= 1 or sync.method: ray"
-        )
 
 
 def check_ipc_shares(learner_gpus: float, worker_gpus: float) -> None:

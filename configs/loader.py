@@ -10,6 +10,7 @@ section's own check names the section's line and the overrides of keys inside it
 
 from __future__ import annotations
 
+import datetime
 import io
 import json
 import re
@@ -302,6 +303,15 @@ def _describe(
             msg += f" (got {value!r})"
             if isinstance(value, str) and ":" in value and _BASE60_OR_OCTAL.fullmatch(value):
                 msg += "; write one plain number: 1:30 is not read as 90 (base 60)"
+        if err["type"] == "string_type" and isinstance(
+            err.get("input"), bool | int | float | datetime.date
+        ):  # YAML read the text as a number, a date or (yes/no/on/off) a boolean
+            key, origin = ".".join(loc), origins.get(loc, "")
+            if origin.startswith("override '"):
+                raw = origin.removeprefix("override '")[:-1].partition("=")[2]
+                msg += f"; quote it to keep it text: \"{key}='{raw}'\""
+            else:
+                msg += f"; quote it to keep it text: {loc[-1]}: '...'"
         where = _where(loc, data, origins) or source
         out.append(redact(f"  {where}: {'.'.join(loc) or '<top level>'}: {msg}"))
     return "\n".join(out)

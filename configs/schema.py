@@ -177,11 +177,13 @@ def _custom_resources(value: dict[str, float], key: str) -> dict[str, float]:
 
 
 def _gpu_share(value: float, key: str) -> float:
-    """A GPU share is a fraction of one GPU (several roles share it) or whole GPUs."""
-    if value > 1 and value != int(value):
+    """A GPU share is a fraction of one GPU (several roles share it) or one whole GPU: each
+    learner rank and each engine runs on one device (no tensor parallelism)."""
+    if value > 1:
         raise ValueError(
-            f"{key}={value:g}: a share above 1 GPU must be a whole number (Ray places "
-            "fractions within one GPU); use e.g. 1, 2 or 0.5"
+            f"{key}={value:g}: a learner rank or a rollout engine runs on one GPU (tensor "
+            "parallelism is not offered), so a share above 1 would hold GPUs it never uses; "
+            "give at most 1, and more GPUs through learner.num_ranks or rollout.num_workers"
         )
     return value
 
@@ -237,8 +239,8 @@ class RolloutConfig(Frozen):
     gpus_per_worker: float = Field(
         0.0,
         ge=0.0,
-        le=8,
-        description="GPU share per worker (0: CPU; a fraction shares a GPU with other roles).",
+        description="GPU share per worker, at most 1 (0: CPU; a fraction shares a GPU with "
+        "other roles).",
     )
     seed: int = Field(
         0,
@@ -456,6 +458,16 @@ class OptimizerConfig(Frozen):
             raise ValueError(f"each AdamW beta must be in [0, 1) (got {betas})")
         return betas
 
+    @model_validator(mode="after")
+    def _schedule_reads_them(self) -> OptimizerConfig:
+        for key in ("warmup_steps", "min_lr_ratio"):
+            if self.schedule == "constant" and getattr(self, key):  # silently unused
+                raise ValueError(
+                    f"{key}: only schedule warmup_cosine reads it, and the schedule is constant; "
+                    f"set learner.optimizer.schedule: warmup_cosine, or drop {key}"
+                )
+        return self
+
 
 class LearnerConfig(Frozen):
     """The DeepSpeed learner: optimizer, loss preset (with its advantage settings), parallelism."""
@@ -497,8 +509,8 @@ class LearnerConfig(Frozen):
     gpus_per_rank: float = Field(
         0.0,
         ge=0.0,
-        le=8,
-        description="GPU share per learner rank (0: CPU; 0.5 shares one GPU with the workers).",
+        description="GPU share per learner rank, at most 1 (0: CPU; 0.5 shares one GPU with "
+        "the workers; over several ranks each needs a GPU of its own).",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
@@ -526,6 +538,17 @@ class LearnerConfig(Frozen):
     @classmethod
     def _rank_resources(cls, value: dict[str, float]) -> dict[str, float]:
         return _custom_resources(value, "learner.resources")
+
+    @model_validator(mode="after")
+    def _a_gpu_per_rank(self) -> LearnerConfig:
+        if self.num_ranks > 1 and 0 < self.gpus_per_rank < 1:
+            raise ValueError(
+                f"gpus_per_rank: {self.num_ranks} ranks with a share of {self.gpus_per_rank:g} "
+                "GPU each would be placed on one GPU, and NCCL cannot join two ranks of one "
+                "group there (it refuses a duplicate GPU, after the model loads); give each "
+                "rank a GPU of its own (learner.gpus_per_rank=1), or use one rank"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kl_needs_reference(self) -> LearnerConfig:
@@ -584,6 +607,15 @@ class SyncConfig(Frozen):
         "so publishes do not page-fault (null: with method ray, 4 copies of the model's "
         "weights + 512 MiB; else Ray's default). A joined cluster keeps its own setting.",
     )
+
+    @model_validator(mode="after")
+    def _checkpoint_dir_is_read(self) -> SyncConfig:
+        if self.checkpoint_dir is not None and self.method != "checkpoint":  # silently unused
+            raise ValueError(
+                f"checkpoint_dir: only sync.method checkpoint reads it, and the method is "
+                f"{self.method}; set sync.method: checkpoint, or drop checkpoint_dir"
+            )
+        return self
 
 
 class RunSection(Frozen):

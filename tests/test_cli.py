@@ -212,7 +212,10 @@ def test_buffer_stats_errors_are_clear(tmp_path):
     out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
     assert out.returncode == 2
     assert "uses an external Redis (redis://:***@db.example:6379/0); give its URL" in out.stderr
-    assert f"--redis-url URL --run-dir {tmp_path}" in out.stderr
+    from staleflow.cluster.rundir import RunDir
+
+    key = RunDir(tmp_path).key  # (--run-dir and --redis-url exclude each other)
+    assert f"password included, and the run's key: --redis-url URL --run {key}" in out.stderr
     data["buffer"]["redis_url"] = None
     (tmp_path / "config.json").write_text(json.dumps(data))
     # a finished run: its server stopped with it; say where its final counts are
@@ -368,6 +371,9 @@ def test_bad_model_and_task_sources_are_refused_before_the_run_directory(tmp_pat
         # each evaluation of the run failed and was skipped, its log naming only a type
         (["task.name=custom", f"task.path={prompts}", "task.reward_fn=math:fabs"],
          "custom task has no held-out prompts for task.eval_prompts=1"),
+        # no prompt fits: found by step 0's evaluation, with advice for a task file
+        (["rollout.max_new_tokens=256"], "rollout.max_new_tokens=256 leaves no room for a "
+         "prompt in the model's context of 256 tokens"),
         # found only when a worker sampled it, possibly hours into the run
         (["task.name=custom", f"task.path={long}", "task.reward_fn=math:fabs"],
          f"{long}: 1 of 40 prompts do not fit the model's context of 256 tokens with "

@@ -510,6 +510,34 @@ def test_base_60_and_octal_numbers_are_not_read_as_yaml_1_1_would(tmp_path):
     assert (cfg.learner.optimizer.lr, cfg.run.seed) == (1e-6, 16)
 
 
+def test_text_yaml_reads_as_a_number_date_or_boolean_is_told_to_be_quoted(tmp_path):
+    # run.name=42 (or 2026-01-05, or no) was refused as "not a valid string", with no fix
+    for value in ("42", "2026-01-05", "no"):
+        with pytest.raises(
+            ConfigError, match=rf"""quote it to keep it text: "run.name='{value}'\""""
+        ):
+            load_config(write(tmp_path, MINIMAL), [f"run.name={value}"])
+    with pytest.raises(ConfigError, match=r"run\.yaml:4: run\.name: .*quote it .*: name: '\.\.\.'"):
+        load_config(write(tmp_path, MINIMAL + "run:\n  name: 2026-01-05\n"))
+    assert load_config(write(tmp_path, MINIMAL), ["run.name='42'"]).run.name == "42"
+
+
+def test_a_setting_the_chosen_option_never_reads_is_refused(tmp_path):
+    # a constant schedule ignored warmup_steps and min_lr_ratio, and sync.method ray ignored
+    # checkpoint_dir, silently (as unread task inputs are refused)
+    base = write(tmp_path, MINIMAL)
+    for override, message in (
+        ("learner.optimizer.warmup_steps=100", "warmup_steps: only schedule warmup_cosine"),
+        ("learner.optimizer.min_lr_ratio=0.1", "min_lr_ratio: only schedule warmup_cosine"),
+        ("sync.checkpoint_dir=/tmp/w", "checkpoint_dir: only sync.method checkpoint reads it"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(base, [override])
+    cfg = load_config(base, ["learner.optimizer.schedule=warmup_cosine",
+                             "learner.optimizer.warmup_steps=100"])  # fmt: skip
+    assert cfg.learner.optimizer.warmup_steps == 100
+
+
 def test_a_config_as_data_masks_each_password_and_keeps_every_key():
     # redact() over the compact JSON masked from the URL's "host:" to the last '@' anywhere
     # after it: with an output_dir holding one, trainer.json lost the learner and sync

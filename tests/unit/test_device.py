@@ -25,13 +25,18 @@ def test_a_share_without_a_visible_gpu_is_refused_not_run_on_the_cpu():
         role_device(0.5, "rollout.gpus_per_worker")
 
 
-def test_gpu_shares_above_one_must_be_whole():
-    cfg = parse_config(BASE, ["learner.gpus_per_rank=2", "rollout.gpus_per_worker=0.25"])
-    assert (cfg.learner.gpus_per_rank, cfg.rollout.gpus_per_worker) == (2.0, 0.25)
-    with pytest.raises(ConfigError, match=r"learner.gpus_per_rank=1\.5: a share above 1 GPU"):
-        parse_config(BASE, ["learner.gpus_per_rank=1.5"])
-    with pytest.raises(ConfigError, match=r"rollout\.gpus_per_worker=2\.5"):
-        parse_config(BASE, ["rollout.gpus_per_worker=2.5"])
+def test_a_gpu_share_is_at_most_one_gpu_and_ranks_do_not_share_one():
+    # a rank or an engine runs on cuda:0 of what Ray gives it: a share of 2 held a GPU idle
+    cfg = parse_config(BASE, ["learner.gpus_per_rank=1", "rollout.gpus_per_worker=0.25"])
+    assert (cfg.learner.gpus_per_rank, cfg.rollout.gpus_per_worker) == (1.0, 0.25)
+    for key, share in (("learner.gpus_per_rank", "2"), ("rollout.gpus_per_worker", "1.5")):
+        with pytest.raises(ConfigError, match=rf"{key}={share}: a learner rank or a rollout "
+                           "engine runs on one GPU"):  # fmt: skip
+            parse_config(BASE, [f"{key}={share}"])
+    # two ranks on halves of one GPU: NCCL refused them only once the models had loaded
+    with pytest.raises(ConfigError, match=r"2 ranks with a share of 0\.5 GPU each would be"):
+        parse_config(BASE, ["learner.num_ranks=2", "learner.gpus_per_rank=0.5"])
+    assert parse_config(BASE, ["learner.num_ranks=2", "learner.gpus_per_rank=1"])
 
 
 def test_vllm_engine_arguments_are_checked():
