@@ -711,7 +711,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             accuracy = (summary or {}).get("accuracy_after")
             tail = f", held-out accuracy {accuracy:.3f}" if isinstance(accuracy, float) else ""
             if status == "failed":
-                tail = f": {(summary or {}).get('error') or 'see its logs/driver.log'}"
+                error = (summary or {}).get("error") or (summary or {}).get("learner_error")
+                tail = f": {error or 'see its logs/driver.log'}"
             minutes = (time.time() - started) / 60
             print(
                 f"[{done[0]}/{total}] {cell.name}: {status}{tail} ({minutes:.1f} min)", flush=True
