@@ -173,12 +173,22 @@ def _custom_resources(value: dict[str, float], key: str) -> dict[str, float]:
             )
         if not amount > 0:
             raise ValueError(f"{key}.{name}={amount}: an amount must be > 0")
+        _ray_amount(amount, f"{key}.{name}")
+    return value
+
+
+def _ray_amount(value: float, key: str) -> float:
+    """Ray refuses a resource amount below 0.0001 (its unit), when the actor starts."""
+    if 0 < value < 1e-4:
+        raise ValueError(f"{key}={value:g}: Ray counts resources in steps of 0.0001 (it "
+                         "refuses less when the actor starts); give at least 0.0001")  # fmt: skip
     return value
 
 
 def _gpu_share(value: float, key: str) -> float:
     """A GPU share is a fraction of one GPU (several roles share it) or one whole GPU: each
     learner rank and each engine runs on one device (no tensor parallelism)."""
+    _ray_amount(value, key)
     if value > 1:
         raise ValueError(
             f"{key}={value:g}: a learner rank or a rollout engine runs on one GPU (tensor "
@@ -272,6 +282,11 @@ class RolloutConfig(Frozen):
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (engine: vllm)."
     )
+
+    @field_validator("cpus_per_worker")
+    @classmethod
+    def _worker_cpus(cls, value: float) -> float:
+        return _ray_amount(value, "rollout.cpus_per_worker")
 
     @field_validator("gpus_per_worker")
     @classmethod

@@ -538,6 +538,16 @@ def test_a_setting_the_chosen_option_never_reads_is_refused(tmp_path):
     assert cfg.learner.optimizer.warmup_steps == 100
 
 
+def test_resource_amounts_below_rays_unit_are_refused_before_ray_starts(tmp_path):
+    # Ray's .options() raised a ValueError for them, a traceback once Ray had started
+    base = write(tmp_path, MINIMAL)
+    for override in ("rollout.cpus_per_worker=0.00001", "learner.gpus_per_rank=0.00005",
+                     'rollout.resources={"rollout": 0.00001}'):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"Ray counts resources in steps of 0\.0001"):
+            load_config(base, [override])
+    assert load_config(base, ["rollout.cpus_per_worker=0.0001"]).rollout.cpus_per_worker == 1e-4
+
+
 def test_a_config_as_data_masks_each_password_and_keeps_every_key():
     # redact() over the compact JSON masked from the URL's "host:" to the last '@' anywhere
     # after it: with an output_dir holding one, trainer.json lost the learner and sync
