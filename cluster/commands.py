@@ -524,7 +524,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
     if args.workers < 1:
         return _fail(f"--workers must be at least 1, got {args.workers}")
-    if not (math.isfinite(args.timeout) and args.timeout >= 0):  # 0: request, do not wait
+    if math.isnan(args.timeout) or args.timeout < 0:  # 0: request, do not wait; inf: no limit
         return _fail(f"--timeout must be a number of seconds, 0 or more, got {args.timeout:g}")
     gone = _driver_gone(run, status)
     if gone:

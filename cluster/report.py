@@ -65,7 +65,8 @@ def write_report(run: RunDir) -> Path:
         return [r["step"] for r in rows], [r[key] for r in rows]
 
     def wall(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-        rows = [r for r in rows if isinstance(r.get(key), (int, float)) and "wall_s" in r]
+        rows = [r for r in rows if isinstance(r.get(key), int | float)
+                and isinstance(r.get("wall_s"), int | float)]  # fmt: skip
         return [r["wall_s"] / 60 for r in rows], [r[key] for r in rows]
 
     def pair(name: str, rows: list[dict[str, Any]], key: str, ylabel: str) -> None:
@@ -87,7 +88,8 @@ def write_report(run: RunDir) -> Path:
     for r in steps:
         counts = r.get("lag_counts")
         for value, count in counts.items() if isinstance(counts, dict) else ():
-            lags[int(value)] += int(count)
+            if str(value).lstrip("-").isdigit() and isinstance(count, int):  # (a hand edit)
+                lags[int(value)] += count
     if lags:
         hist.bar(list(lags), list(lags.values()))
     hist.set_xlabel("lag (versions)")

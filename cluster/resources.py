@@ -2,8 +2,8 @@
 
 A Ray actor whose resources no node can give waits forever; so the driver first packs every
 actor the run needs (learner ranks, rollout workers) onto the cluster's nodes, the way Ray
-places fractional GPUs (a share of at most 1 must fit on one GPU, larger shares take whole
-GPUs), and refuses with what was asked and what the cluster has. The weight-sync method is
+places fractional GPUs (a share below 1 must fit on one GPU; the config allows no more than
+1), and refuses with what was asked and what the cluster has. The weight-sync method is
 checked against the placement too (`check_sync_method`): a method that cannot work there is
 refused, never replaced by another.
 """

@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_WARNED: set[tuple[Path, int, str]] = set()  # metrics.jsonl lines read_metrics skipped
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -343,7 +344,8 @@ def read_metrics(path: Path) -> Iterator[dict[str, Any]]:
             and type(record.get("step")) is int
         ):
             yield record
-        elif number < len(lines) or line.endswith("\n"):  # not the torn end of a crash
+        elif (number < len(lines) or line.endswith("\n")) and (path, number, line) not in _WARNED:
+            _WARNED.add((path, number, line))  # once: a resume reads the file three times
             logger.warning(
                 "%s:%d is not a metrics record (an object with kind and step): skipped: %.80r",
                 path, number, line.rstrip("\n"),

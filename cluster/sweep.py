@@ -454,7 +454,9 @@ def update_figures(sweep: Sweep) -> None:
     if spec is None:
         return
     cells = spec.get("cells")
-    ran = set(cells[0].get("labels") or {}) if isinstance(cells, list) and cells else set()
+    first = cells[0] if isinstance(cells, list) and cells and isinstance(cells[0], dict) else {}
+    labels = first.get("labels")
+    ran = set(labels) if isinstance(labels, dict) else set()  # (damaged: the report says so)
     for role, axis in (("columns", sweep.columns), ("lines", sweep.lines)):
         if ran and axis not in ran:  # an axis added to the file since the cells ran
             raise SweepError(

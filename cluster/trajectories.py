@@ -236,10 +236,15 @@ def replay(
     if not recorded:
         raise ReplayError(f"{run.trajectories} records no learner step to replay")
     if recorded[0]["step"] not in logged:  # replaying would compare nothing
+        why = (
+            "the run stopped during that step (a step is recorded before it trains, logged "
+            "after), or the file was cut"
+            if logged or run.metrics.is_file()
+            else "the file is missing: restore it from the run"
+        )
         raise ReplayError(
-            f"{run.metrics} has no record of step {recorded[0]['step']} (the file is missing, "
-            "or was cut or edited): replay compares each step with the run's own metrics; "
-            "restore it from the run"
+            f"{run.metrics} has no record of step {recorded[0]['step']} ({why}): replay "
+            "compares each step with the run's own metrics, so there is nothing to compare"
         )
     if cfg.learner.num_ranks != 1:
         raise ReplayError(

@@ -301,13 +301,20 @@ def _describe(
             if isinstance(value, str) and loc and loc[-1].endswith("url"):
                 value = redact_url(value)  # a URL, maybe without its scheme: mask it as one
             msg += f" (got {value!r})"
-            if isinstance(value, str) and ":" in value and _BASE60_OR_OCTAL.fullmatch(value):
+            if (
+                err["type"] in ("int_parsing", "float_parsing", "int_type", "float_type")
+                and isinstance(value, str)
+                and ":" in value
+                and _BASE60_OR_OCTAL.fullmatch(value)
+            ):  # a number field given minutes:seconds
                 msg += "; write one plain number: 1:30 is not read as 90 (base 60)"
         if err["type"] == "string_type" and isinstance(
             err.get("input"), bool | int | float | datetime.date
         ):  # YAML read the text as a number, a date or (yes/no/on/off) a boolean
             key, origin = ".".join(loc), origins.get(loc, "")
-            if origin.startswith("override '"):
+            if len(loc) > 1 and loc[-1].isdigit():  # an item of a list: its list's key
+                msg += f"; quote the item to keep it text: {loc[-2]}: ['...']"
+            elif origin.startswith("override '"):
                 raw = origin.removeprefix("override '")[:-1].partition("=")[2]
                 msg += f"; quote it to keep it text: \"{key}='{raw}'\""
             else:

@@ -556,12 +556,14 @@ class LearnerConfig(Frozen):
 
     @model_validator(mode="after")
     def _a_gpu_per_rank(self) -> LearnerConfig:
-        if self.num_ranks > 1 and 0 < self.gpus_per_rank < 1:
+        if self.num_ranks > 1 and 0 < self.gpus_per_rank < 1 and self.placement == "pack":
             raise ValueError(
                 f"gpus_per_rank: {self.num_ranks} ranks with a share of {self.gpus_per_rank:g} "
-                "GPU each would be placed on one GPU, and NCCL cannot join two ranks of one "
-                "group there (it refuses a duplicate GPU, after the model loads); give each "
-                "rank a GPU of its own (learner.gpus_per_rank=1), or use one rank"
+                "GPU each, packed (learner.placement: pack), would be placed on one GPU, and "
+                "NCCL cannot join two ranks of one group there (it refuses a duplicate GPU, "
+                "after the model loads); give each rank a GPU of its own "
+                "(learner.gpus_per_rank=1), use one rank, or spread the ranks over nodes of "
+                "one GPU each (learner.placement: spread)"
             )
         return self
 

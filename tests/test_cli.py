@@ -463,6 +463,8 @@ def test_scale_of_a_run_whose_driver_is_gone_says_so_at_once(tmp_path):
         out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", bad)
         assert out.returncode == 2
         assert f"--timeout must be a number of seconds, 0 or more, got {bad}" in out.stderr
+    out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "inf")  # no limit
+    assert "run killed's driver is gone" in out.stderr
 
 
 def test_scale_asks_the_run_directory_lock_whether_the_driver_lives(tmp_path):
@@ -572,6 +574,7 @@ def test_report_reads_past_metrics_lines_that_are_no_records(tmp_path):
         '{"step": 2}',
         '{"kind": "step"}',
         '{"kind": "step", "step": 2, "lag_counts": [1, 2], "time_take_s": null}',
+        '{"kind": "step", "step": 3, "reward_mean": 0.5, "wall_s": "x", "lag_counts": {"a": 1}}',
     ]
     data = ("\n".join(lines) + "\n").encode() + b"\xff\xfe not UTF-8\n" + b'{"kind": "st'
     run.metrics.write_bytes(data)  # the last line torn by a crash
@@ -579,10 +582,11 @@ def test_report_reads_past_metrics_lines_that_are_no_records(tmp_path):
     out = staleflow("report", str(run.path))
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
-    for number in (2, 3, 4, 6):  # the torn last line is expected after a crash: no warning
+    for number in (2, 3, 4, 7):  # the torn last line is expected after a crash: no warning
         assert f"metrics.jsonl:{number} is not a metrics record" in out.stderr
-    assert "metrics.jsonl:7" not in out.stderr
-    assert "metrics.jsonl:5" not in out.stderr  # a record, its odd fields read as none
+    assert "metrics.jsonl:8" not in out.stderr
+    for number in (5, 6):  # records: their odd fields are read as none
+        assert f"metrics.jsonl:{number} " not in out.stderr
     page = run.report.read_text()
     assert "<td>&lt;b&gt;80&lt;/b&gt;</td>" in page  # the groups table was not escaped
 

@@ -505,6 +505,10 @@ def test_base_60_and_octal_numbers_are_not_read_as_yaml_1_1_would(tmp_path):
     assert cfg.run.seed == 10
     with pytest.raises(ConfigError, match=r"override 'run.start_timeout_s=2:00'.*got '2:00'"):
         load_config(write(tmp_path, MINIMAL), ["run.start_timeout_s=2:00"])
+    with pytest.raises(ConfigError) as err:  # a text field: the advice is not about numbers
+        load_config(write(tmp_path, MINIMAL), ["run.name=10:30"])
+    assert "pattern" in str(err.value)
+    assert "plain number" not in str(err.value)
     # what is a number in YAML 1.1 and 1.2 alike still is: 1e-6 text to a float field, 0x10
     cfg = load_config(write(tmp_path, MINIMAL), ["learner.optimizer.lr=1e-6", "run.seed=0x10"])
     assert (cfg.learner.optimizer.lr, cfg.run.seed) == (1e-6, 16)
@@ -520,6 +524,9 @@ def test_text_yaml_reads_as_a_number_date_or_boolean_is_told_to_be_quoted(tmp_pa
     with pytest.raises(ConfigError, match=r"run\.yaml:4: run\.name: .*quote it .*: name: '\.\.\.'"):
         load_config(write(tmp_path, MINIMAL + "run:\n  name: 2026-01-05\n"))
     assert load_config(write(tmp_path, MINIMAL), ["run.name='42'"]).run.name == "42"
+    with pytest.raises(ConfigError, match=r"rollout\.stop\.1: .*quote the item to keep it text: "
+                       r"stop: \['\.\.\.'\]"):  # fmt: skip
+        load_config(write(tmp_path, MINIMAL), ["rollout.stop=[a, yes]"])
 
 
 def test_a_setting_the_chosen_option_never_reads_is_refused(tmp_path):

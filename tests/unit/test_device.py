@@ -34,9 +34,12 @@ def test_a_gpu_share_is_at_most_one_gpu_and_ranks_do_not_share_one():
                            "engine runs on one GPU"):  # fmt: skip
             parse_config(BASE, [f"{key}={share}"])
     # two ranks on halves of one GPU: NCCL refused them only once the models had loaded
-    with pytest.raises(ConfigError, match=r"2 ranks with a share of 0\.5 GPU each would be"):
+    with pytest.raises(ConfigError, match=r"2 ranks with a share of 0\.5 GPU each, packed"):
         parse_config(BASE, ["learner.num_ranks=2", "learner.gpus_per_rank=0.5"])
-    assert parse_config(BASE, ["learner.num_ranks=2", "learner.gpus_per_rank=1"])
+    for ok in (["learner.gpus_per_rank=1"], ["learner.gpus_per_rank=0.5",
+                                              "learner.placement=spread"]):  # fmt: skip
+        cfg = parse_config(BASE, ["learner.num_ranks=2", *ok])  # a GPU each (spread: a node)
+        assert cfg.learner.num_ranks == 2
 
 
 def test_vllm_engine_arguments_are_checked():
