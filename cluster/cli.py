@@ -111,7 +111,15 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
                 f"{state}: it was killed), and its embedded Redis with it; `staleflow train "
                 f"--resume {args.run_dir}` starts the server again with the buffer as it was"
             )
-        url = args.redis_url or read_server_url(redis_dir(args.run_dir))
+        try:
+            url = args.redis_url or read_server_url(redis_dir(args.run_dir))
+        except RedisServerError as exc:
+            if not str(exc).startswith("no embedded Redis server recorded"):
+                raise
+            raise ValueError(  # a run given $STALEFLOW_REDIS_URL records no URL in config.json
+                f"{exc} If it uses an external Redis ($STALEFLOW_REDIS_URL), give its URL: "
+                f"--redis-url URL --run {RunDir(args.run_dir).key}"
+            ) from None
         if args.run is None and args.run_dir is None:
             raise ValueError("--redis-url needs --run RUN, the run whose buffer to inspect")
         run = args.run or RunDir(args.run_dir).key

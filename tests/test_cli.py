@@ -206,6 +206,7 @@ def test_buffer_stats_errors_are_clear(tmp_path):
     out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
     assert out.returncode == 2
     assert "no embedded Redis server recorded" in out.stderr
+    assert "If it uses an external Redis ($STALEFLOW_REDIS_URL), give its URL" in out.stderr
     # a run on an external server: the URL is to be given (config.json has it masked)
     data["buffer"]["redis_url"] = "redis://:***@db.example:6379/0"
     (tmp_path / "config.json").write_text(json.dumps(data))
