@@ -327,6 +327,14 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_before_start(cfg, held_out=not resume)
         check_engine_installed(cfg, args.address)
+        asked = [k for k in ("learner", "rollout") if getattr(cfg, k).resources]
+        if asked and not args.address:  # they would only be refused once Ray started
+            raise ConfigError(
+                f"{asked[0]}.resources asks for Ray custom resources, which only nodes started "
+                "with `ray start --resources` have; a run without --address starts a Ray of "
+                "its own with none: join that cluster (--address auto on one of its nodes, "
+                f"or HOST:6379), or drop {asked[0]}.resources"
+            )
         if (
             cfg.buffer.redis_url is None
             and redis_url_from_env() is None

@@ -614,6 +614,16 @@ def test_eval_of_a_run_whose_latest_checkpoint_is_gone_is_refused(tmp_path):
     assert "nothing is not a directory; give a run directory or a model one" in out.stderr
 
 
+def test_custom_resources_without_a_cluster_to_join_are_refused_before_ray(tmp_path):
+    # a Ray of the run's own has no custom resources: refused only once it had started
+    out = staleflow("train", "configs/tiny.yaml", 'learner.resources={"learner": 1}',
+                    f"run.output_dir={tmp_path}", "run.name=r")  # fmt: skip
+    assert out.returncode == 2
+    assert "learner.resources asks for Ray custom resources" in out.stderr
+    assert "--address auto" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_train_workers_flag_below_one_is_named_as_the_flag():
     out = staleflow("train", "configs/tiny.yaml", "--workers", "0")
     assert out.returncode == 2
