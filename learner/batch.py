@@ -87,15 +87,16 @@ def build_batch(
     advantages: list[Tensor] = []
     group_index: list[int] = []
     for g, group in enumerate(groups):
-        # a copy: the rewards array may be a read-only view of the received bytes
-        rewards = torch.tensor(group.rewards, dtype=torch.float32)[None, :]
+        # a copy: the rewards array may be a read-only view of the received bytes. In float64
+        # (the records' own precision): a reward of 1e39 was inf in float32, its advantage NaN
+        rewards = torch.tensor(group.rewards, dtype=torch.float64)[None, :]
         advantages.append(
             group_advantages(
                 rewards,
                 std_normalize=advantage.std_normalize,
                 drop=advantage.drop,
                 seed=None if seed is None else seed + g,
-            )[0]
+            )[0].to(torch.float32)
         )
         bounds = group.offsets.tolist()
         for i in range(group.k):

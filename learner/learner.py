@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import sys
@@ -38,6 +39,8 @@ from staleflow.learner.device import role_device
 from staleflow.learner.losses import LossInputs, aggregate, loss_denominator, loss_from_config
 from staleflow.learner.lr import lr_factor
 from staleflow.learner.sync_group import gloo_on_node_interface
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
 
@@ -208,6 +211,7 @@ class Learner:
         the number of optimizer steps. Returns the step's metrics as floats."""
         version = self.version if learner_version is None else learner_version
         start = time.perf_counter()
+        groups = list(groups)  # read twice below: a generator trained, then failed
         batch = build_batch(
             groups,
             self.cfg.learner.loss.advantage,
@@ -217,11 +221,12 @@ class Learner:
         sums: dict[str, float] = {}  # token-weighted sums of per-micro-batch means
         extrema: dict[str, float] = {}
         timing = {"forward_s": 0.0, "backward_s": 0.0, "step_s": 0.0}
-        grad_norms, losses = [], []
+        grad_norms, losses, skipped = [], [], 0
         lr = float(self.scheduler.get_last_lr()[0])  # what this step's first optimizer step uses
         for _ in range(self.cfg.learner.epochs):
             for mini in _split(batch.num_sequences, self.cfg.learner.mini_batches):
                 loss, norm = self._optimizer_step(batch.rows(mini), sums, extrema, timing)
+                skipped += not math.isfinite(norm)
                 if self.world_size > 1:
                     loss = _all_reduce_sum(loss, self.device)  # each rank held its shard's share
                 losses.append(loss)
@@ -252,6 +257,7 @@ class Learner:
             tokens=float(tokens),
             tokens_per_s=tokens * self.cfg.learner.epochs / elapsed if elapsed > 0 else 0.0,
             step_time_s=elapsed,
+            skipped_steps=float(skipped),
             **timing,
         )
         return metrics
@@ -325,10 +331,32 @@ class Learner:
             clip = self.cfg.learner.optimizer.grad_clip
             params = [p for p in self.engine.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip else float("inf")))
+            if not math.isfinite(norm):  # (the same on every rank: the gradients are reduced)
+                # applied, it would make the weights NaN, and Adam's moments with them for good
+                for p in params:
+                    p.grad = None
+                timing["step_s"] += time.perf_counter() - t2
+                logger.warning(
+                    "learner step %d: the gradient norm is %s (loss %s): this optimizer step is "
+                    "skipped, the weights and optimizer state are unchanged (metrics: "
+                    "skipped_steps). Look for a reward or log-prob far out of range in the "
+                    "batch, or a RED-Weight weight_temperature so small exp(A / T) overflows",
+                    self.version + 1, norm, total,
+                )  # fmt: skip
+                return total, norm
         self.engine.step()
         if norm is None:
             reported = self.engine.get_global_grad_norm()
             norm = float(reported) if reported is not None else float("nan")
+            if reported is not None and not math.isfinite(norm):  # already applied
+                raise FloatingPointError(
+                    f"learner step {self.version + 1}: the gradient norm is {norm} (loss "
+                    f"{total}) and ZeRO stage {self.cfg.learner.zero_stage} applied it, so "
+                    "the weights may hold NaN: resume from the last checkpoint, after "
+                    "removing the cause (a reward or log-prob far out of range in the batch, "
+                    "or a RED-Weight weight_temperature so small exp(A / T) overflows); at "
+                    "ZeRO 0 such a step is skipped"
+                )
         timing["step_s"] += time.perf_counter() - t2
         self.optimizer_steps += 1
         return total, norm

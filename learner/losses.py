@@ -238,7 +238,9 @@ def _rec_term(x: _Tokens, cfg: Any, clip: ClipMode, weight: WeightMode, reg: Reg
         w = a * (rho if cap is None else rho.clamp(max=cap))
     else:  # "advantage": RED-Weight
         w = a * torch.exp(a / cfg.weight_temperature)
-    token_loss = -w * keep.to(x.logp.dtype) * x.logp
+    # M as a selection, not a product: a weight that overflowed (RED-Weight's exp(A / T))
+    # on a token M drops would make inf * 0 = NaN in the loss and every gradient
+    token_loss = -torch.where(keep, w, torch.zeros_like(w)) * x.logp
     metrics: dict[str, Tensor] = {}
     if reg != "none":
         if reg == "k2":
@@ -269,7 +271,7 @@ def _ppo_term(x: _Tokens, cfg: Any) -> PolicyTerm:
     """max(-A rho, -A clip(rho)) with rho = exp(logp - blogp) carrying gradient; dual clip
     caps the loss of negative-advantage tokens at -c * A."""
     a = x.adv
-    ratio = torch.exp(x.logp - x.blogp)
+    ratio = _ratio(x.logp - x.blogp)  # with gradient (0 beyond the clamp)
     low, high = 1.0 - float(cfg.epsilon_low), 1.0 + float(cfg.epsilon_high)
     token_loss = torch.maximum(-a * ratio, -a * ratio.clamp(low, high))
     clipped = ((a > 0) & (x.rho > high)) | ((a < 0) & (x.rho < low))
@@ -288,6 +290,7 @@ def _gspo_term(x: _Tokens, cfg: Any) -> PolicyTerm:
     a = x.adv
     lengths = _nonzero(x.weight.sum(dim=-1, keepdim=True))
     log_s = ((x.logp - x.blogp) * x.weight).sum(dim=-1, keepdim=True) / lengths
+    log_s = log_s.clamp(-_LOG_RATIO_MAX, _LOG_RATIO_MAX)
     s = torch.exp(log_s.detach() + x.logp - x.logp.detach())
     low, high = 1.0 - float(cfg.epsilon_low), 1.0 + float(cfg.epsilon_high)
     token_loss = torch.maximum(-a * s, -a * s.clamp(low, high))
@@ -348,7 +351,7 @@ def _prepare(inputs: LossInputs) -> _Tokens:
     logp = torch.where(valid, logp, zeros)
     blogp = torch.where(valid, blogp.detach().to(logp.dtype), zeros)
     adv = torch.where(valid, adv.to(logp.dtype).detach(), zeros)
-    rho = torch.exp(logp.detach() - blogp)
+    rho = _ratio(logp.detach() - blogp)
     return _Tokens(logp=logp, blogp=blogp, adv=adv, weight=weight, valid=valid, rho=rho)
 
 
@@ -374,6 +377,17 @@ def _common_metrics(x: _Tokens, clipped: Tensor) -> dict[str, Tensor]:
         "adv_max": torch.where(any_valid, torch.where(x.valid, x.adv, -inf).amax(), 0 * one),
         "num_tokens": x.valid.sum().to(dt),
     }
+
+
+# A log-ratio logp - blogp beyond this counts as this before exp (e^20 ~ 4.9e8): a behaviour
+# log-prob far below the policy's (an engine's -9999 for "impossible", a float underflow)
+# made rho inf in float32, and inf times a zero mask or advantage NaN, in the loss and in
+# every gradient. No clip bound comes near it, so masks and clipped terms are unchanged.
+_LOG_RATIO_MAX = 20.0
+
+
+def _ratio(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-_LOG_RATIO_MAX, _LOG_RATIO_MAX))
 
 
 def _kl(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:

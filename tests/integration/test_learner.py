@@ -416,3 +416,55 @@ def test_entropy_bonus_is_the_exact_entropy_with_its_gradient():
     assert metrics["loss"] == pytest.approx(float(total.detach()), rel=1e-5)
     assert metrics["entropy"] == pytest.approx(float(mean_h.detach()), rel=1e-5)
     assert metrics["grad_norm"] == pytest.approx(float(ref_norm), rel=1e-4)
+
+
+def test_a_step_whose_gradient_is_not_finite_is_skipped_and_the_next_one_trains():
+    # RED-Weight at T = 0.005: exp(A / T) = exp(200) overflows float32, the loss is inf and
+    # the gradient NaN. Applied, it made the weights NaN, and Adam's moments with them for
+    # good (a later normal step brought the NaN back).
+    from staleflow.learner.losses import loss_from_config
+
+    groups = sampled_groups(behaviour_seed=1, n=2)
+    cfg = parse_config(
+        "model: {preset: tiny}\nrollout: {temperature: 0.9}\nlearner: {optimizer: {lr: 1.0e-3}, "
+        "loss: {name: red-weight, weight_temperature: 0.005}}\n"
+    )
+    learner = new_learner(cfg)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    metrics = learner.step(g for g in groups)  # a generator: read twice, it trained, then failed
+    assert metrics["skipped_steps"] == 1
+    assert not math.isfinite(metrics["grad_norm"])
+    assert learner.version == 1  # the step happened; its update did not
+    for n, p in learner.model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    learner.loss_fn = loss_from_config(config("red-weight").learner.loss)  # T = 1
+    metrics = learner.step(groups)
+    assert metrics["skipped_steps"] == 0
+    assert math.isfinite(metrics["grad_norm"])
+    moved = [
+        (p.detach() - before[n]).abs().max().item() for n, p in learner.model.named_parameters()
+    ]
+    assert all(math.isfinite(m) for m in moved)
+    assert max(moved) > 0
+
+
+def test_huge_rewards_give_finite_normalised_advantages():
+    # rewards were cast to float32 before the advantages: 1e39 was inf, its advantage NaN.
+    # Normalised by the group's std (grpo), they are +-1: (1e39 - 5e38) / 5e38 and its
+    # negative. (Unnormalised, 5e38 exceeds float32 itself: such a step is skipped, above.)
+    cfg = config("grpo")
+    groups = sampled_groups(n=1, k=2)
+    g = groups[0]
+    big = dataclasses_replace_rewards(g, [1e39, 0.0])
+    batch = build_batch([big], cfg.learner.loss.advantage, 0, seed=0)
+    torch.testing.assert_close(batch.advantages, torch.tensor([1.0, -1.0]))
+
+
+def dataclasses_replace_rewards(group: Group, rewards: list[float]) -> Group:
+    return Group.new(
+        run_id=group.run_id, prompt_id=group.prompt_id, task=group.task,
+        prompt_token_ids=list(group.prompt_token_ids), worker_id=group.worker_id,
+        policy_version=group.policy_version,
+        responses=[Response(list(r.token_ids), list(r.behavior_logp), reward, r.finish_reason)
+                   for r, reward in zip(group.responses, rewards, strict=True)],
+    )  # fmt: skip

@@ -488,3 +488,40 @@ def test_defaults_follow_the_paper_table():
     assert get_loss("grpo").config.advantage.std_normalize is True
     assert get_loss("red-drop").config.advantage.drop == "balance"
     assert get_loss("rec-oneside-nois").config.advantage.std_normalize is False
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("advantage", [1.0, 0.0, -1.0])
+def test_a_behaviour_log_prob_far_below_the_policys_gives_no_nan(name, advantage):
+    # An engine's -9999 for a token it deems impossible: rho = exp(-0.5 + 9999) was inf in
+    # float32, and inf times a zero mask or advantage NaN (loss and gradients): grpo, the IS
+    # presets and ppo (whose loss stayed finite while its gradient was NaN) broke the weights.
+    logp = torch.tensor([[-0.5, -0.5]], requires_grad=True)
+    inputs = LossInputs(
+        logp=logp,
+        behavior_logp=torch.tensor([[-9999.0, -0.5]]),
+        advantages=torch.tensor([advantage]),
+        mask=torch.ones(1, 2, dtype=torch.bool),
+    )
+    out = get_loss(name)(inputs)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    assert torch.isfinite(logp.grad).all(), logp.grad
+
+
+def test_a_far_off_policy_token_is_clipped_as_any_other_ratio_above_the_bound():
+    # the same two tokens at A = +1 (token-mean over 2). rec-oneside-is: token 1's ratio is
+    # counted as e^20, above 1 + 0.2, so M = 0; token 2: rho 1, W = 1, l = -1 * -0.5 = 0.5.
+    # loss = (0 + 0.5) / 2 = 0.25; d loss / d logp = (0, -W / 2) = (0, -0.5).
+    # ppo: token 1 max(-e^20, -1.2) = -1.2 (the clipped branch, no gradient); token 2
+    # max(-1, -1) = -1 with d/dlogp = -rho = -1. loss = (-1.2 - 1) / 2 = -1.1; grad (0, -0.5).
+    for name, loss in (("rec-oneside-is", 0.25), ("ppo", -1.1)):
+        logp = torch.tensor([[-0.5, -0.5]], dtype=torch.float64, requires_grad=True)
+        out = get_loss(name)(LossInputs(
+            logp=logp, behavior_logp=torch.tensor([[-9999.0, -0.5]], dtype=torch.float64),
+            advantages=torch.tensor([1.0], dtype=torch.float64),
+            mask=torch.ones(1, 2, dtype=torch.bool),
+        ))  # fmt: skip
+        out.loss.backward()
+        assert float(out.loss.detach()) == pytest.approx(loss)
+        assert_values(logp.grad, [[0.0, -0.5]])
