@@ -114,6 +114,9 @@ def encode_fields(group: Group) -> dict[str, bytes | memoryview]:
     _check_arrays(arrays, sum(lens))
     if not isinstance(group.rewards, np.ndarray) or group.rewards.dtype != REWARD_DTYPE:
         raise RecordError("rewards", f"expected float64 [{k}], got {_describe(group.rewards)}")
+    if not isinstance(group.created_at, int | float) or not math.isfinite(group.created_at):
+        # (decode refuses it: the group was pushed, then dropped as invalid by the next take)
+        raise RecordError("created_at", f"expected a finite time, got {group.created_at!r}")
     header = {
         "schema": SCHEMA_VERSION,
         "run": group.run_id,

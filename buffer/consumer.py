@@ -11,6 +11,7 @@ pending, and re-reading this consumer's own pending list after a read's reply wa
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -93,32 +94,38 @@ class Consumer:
         self, n: int, learner_version: int, timeout_s: float = 0.0, ack: Sequence[Receipt] = ()
     ) -> Taken:
         """See ReplayBuffer.take."""
-        if n < 1:
-            raise ValueError(f"take needs n >= 1, got {n}")
+        if type(n) is not int or n < 1:
+            raise ValueError(f"take needs a whole n >= 1, got {n!r}")
+        if math.isnan(timeout_s) or timeout_s < 0:  # nan spun forever; inf waits forever
+            raise ValueError(f"take needs timeout_s >= 0 (seconds; inf: no limit), got {timeout_s}")
         self._ensure_group()
         deadline = time.monotonic() + timeout_s
         stale = invalid = 0
         taken: list[_Entry] = []
         ack_args, acked = self._ack_args(ack, held=False), 0
-        while True:
-            self._reclaim_if_due()
-            stale += self._drop_stale_pooled(learner_version)  # read ahead, stale by now
-            read, ack_result = self._refill(n - len(taken), deadline, ack_args)
-            if ack_result is not None:
-                acked, ack_args = self._acked(ack_args or [], ack_result), None
-            stale += self._drop_stale_pooled(learner_version)
-            for entry_id in self._select(n - len(taken)):
-                version, fields = self._pool.pop(entry_id)
-                taken.append((entry_id, version, fields, False))
-                self._held.add(entry_id)  # from now: a reclaim while this take waits skips it
-            if len(taken) < n and self.sampling == "replay":
-                replays, dropped = self._take_replays(n - len(taken), learner_version)
-                taken.extend(replays)
-                stale += dropped
-            # Keep going while short and either time remains or the last read found entries
-            # (stale drops can eat a read; the next one may have fresh groups).
-            if len(taken) >= n or (read == 0 and time.monotonic() >= deadline):
-                break
+        try:
+            while True:
+                self._reclaim_if_due()
+                stale += self._drop_stale_pooled(learner_version)  # read ahead, stale by now
+                read, ack_result = self._refill(n - len(taken), deadline, ack_args)
+                if ack_result is not None:
+                    acked, ack_args = self._acked(ack_args or [], ack_result), None
+                stale += self._drop_stale_pooled(learner_version)
+                for entry_id in self._select(n - len(taken)):
+                    version, fields = self._pool.pop(entry_id)
+                    taken.append((entry_id, version, fields, False))
+                    self._held.add(entry_id)  # from now: a reclaim while this take waits skips
+                if len(taken) < n and self.sampling == "replay":
+                    replays, dropped = self._take_replays(n - len(taken), learner_version)
+                    taken.extend(replays)
+                    stale += dropped
+                # Keep going while short and either time remains or the last read found
+                # entries (stale drops can eat a read; the next one may have fresh groups).
+                if len(taken) >= n or (read == 0 and time.monotonic() >= deadline):
+                    break
+        except BaseException:  # Ctrl-C while it waits, a lost connection: offered again
+            self._put_back(taken)
+            raise
         # The ack not sent yet and the read of the next take's entries go out now; their
         # replies are read after decoding, so the server works while this process decodes.
         ahead = self._send_ahead(n, ack_args)
@@ -128,16 +135,20 @@ class Consumer:
             finally:
                 late = self._finish(ahead, ack_args)
         except BaseException:  # nothing is handed out: the next take offers these again
-            for entry_id, version, fields, replay in taken:
-                if not replay:
-                    self._held.discard(entry_id)
-                    self._pool.setdefault(entry_id, (version, fields))
+            self._put_back(taken)
             raise
         if ack_args:
             acked = self._acked(ack_args, late)
         if bad:
             invalid = self._drop_entries(bad, "invalid")
         return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid, acked=acked)
+
+    def _put_back(self, taken: list[_Entry]) -> None:
+        """Entries a take chose but did not hand out, back in the pool for the next take."""
+        for entry_id, version, fields, replay in taken:
+            if not replay:
+                self._held.discard(entry_id)
+                self._pool.setdefault(entry_id, (version, fields))
 
     def _decode(
         self, taken: list[_Entry]
@@ -326,7 +337,7 @@ class Consumer:
         want = self.capacity if self.sampling == "freshest" else need - len(self._pool)
         if want <= 0:
             return 0, None
-        remaining_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        remaining_ms = int(min(max(0.0, deadline - time.monotonic()), 3600.0) * 1000)  # (inf)
         block = min(remaining_ms, 5000) if len(self._pool) < need else 0
         before = len(self._pool)
         commands = [*self._ack_command(ack_args), self._read_command(want, block)]

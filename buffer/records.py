@@ -129,7 +129,7 @@ class Group:
     ) -> Group:
         """A fresh group (a new id unless given, current time) from per-response parts, dtypes
         coerced."""
-        tokens = [np.asarray(r.token_ids, dtype=TOKEN_DTYPE) for r in responses]
+        tokens = [_token_ids(r.token_ids, f"response {i}") for i, r in enumerate(responses)]
         logps = [np.asarray(r.behavior_logp, dtype=LOGP_DTYPE) for r in responses]
         for i, (t, lp) in enumerate(zip(tokens, logps, strict=True)):
             if t.shape != lp.shape or t.ndim != 1:
@@ -142,7 +142,7 @@ class Group:
             group_id=group_id or uuid.uuid4().hex,
             prompt_id=prompt_id,
             task=task,
-            prompt_token_ids=np.asarray(prompt_token_ids, dtype=TOKEN_DTYPE),
+            prompt_token_ids=_token_ids(prompt_token_ids, "prompt_token_ids"),
             token_ids=np.concatenate(tokens) if tokens else np.zeros(0, TOKEN_DTYPE),
             behavior_logp=np.concatenate(logps) if logps else np.zeros(0, LOGP_DTYPE),
             lengths=np.array([len(t) for t in tokens], dtype=LENGTH_DTYPE),
@@ -246,3 +246,16 @@ def batch_group_id(run_id: str, batch: int, index: int) -> str:
     import hashlib
 
     return hashlib.blake2b(f"{run_id}/{batch}/{index}".encode(), digest_size=16).hexdigest()
+
+
+def _token_ids(values: Sequence[int] | np.ndarray, where: str) -> np.ndarray:
+    """Token ids as int32, refusing what the cast would change: 1.7 became 1, and an int64
+    id of 2**32 + 7 became 7, silently."""
+    given = np.asarray(values)
+    out = given.astype(TOKEN_DTYPE)
+    if given.size and (given.dtype.kind not in "iub" or not np.array_equal(out, given)):
+        raise ValueError(
+            f"{where}: token ids must be integers in int32's range, got {given.dtype} "
+            f"values {given.ravel()[:5].tolist()}"
+        )
+    return out

@@ -22,6 +22,7 @@ module holds them together with the run's statistics and its administration.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -114,6 +115,15 @@ class ReplayBuffer:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if dedup_ttl_s < 1:
             raise ValueError(f"dedup_ttl_s must be >= 1 second, got {dedup_ttl_s}")
+        if max_staleness is not None and not (type(max_staleness) is int and max_staleness >= 0):
+            raise ValueError(  # -1 dropped every group as stale
+                f"max_staleness must be a whole number >= 0 (or None), got {max_staleness!r}"
+            )
+        for name, seconds in (("push_timeout_s", push_timeout_s), ("claim_idle_s", claim_idle_s)):
+            if not (math.isfinite(seconds) and seconds >= 0):  # nan: a full push spun for ever
+                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {seconds}")
+        if not isinstance(url, str | redis.Redis):
+            raise TypeError(f"url must be a redis:// URL or a redis.Redis client, got {url!r}")
         if isinstance(url, str):
             self.client = connect(url)
             self.url_for_display = redact(url)

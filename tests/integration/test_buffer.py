@@ -1216,3 +1216,47 @@ def test_a_process_that_cannot_reach_the_server_fails_naming_itself_and_the_addr
     assert f"127.0.0.1:{port}" in message
     assert "buffer.redis_url" in message  # the fix
     assert "hunter2" not in message
+
+
+def test_a_take_interrupted_while_it_waits_offers_its_groups_to_the_next(redis_url, monkeypatch):
+    # Ctrl-C during take(4, timeout_s=10) with 2 groups there: the 2 it had chosen stayed
+    # held (pending, counting against capacity) until recover(); the next take got none.
+    buffer = ReplayBuffer(redis_url, "run", capacity=4)
+    buffer.push_many([group(prompt="a"), group(prompt="b")])
+    refill, calls = Consumer._refill, []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the wait for the other 2, after the first read chose 2
+            raise KeyboardInterrupt
+        return refill(self, *args, **kwargs)
+
+    monkeypatch.setattr(Consumer, "_refill", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        buffer.take(4, 0, timeout_s=10)
+    monkeypatch.undo()
+    taken, prompts = take_all(buffer, 4)
+    assert sorted(prompts) == ["a", "b"]
+    buffer.ack(taken.receipts)
+    buffer.push_many([group(prompt=p) for p in "cdef"])  # the capacity is all free again
+
+
+def test_buffer_arguments_no_take_could_honour_are_refused(redis_url):
+    # max_staleness=-1 dropped every group as stale; timeout_s=nan spun for ever (25k
+    # commands a second), inf was an OverflowError; take(2.5) a raw ResponseError
+    for kwargs, message in (
+        ({"max_staleness": -1}, "max_staleness must be a whole number >= 0"),
+        ({"push_timeout_s": float("nan")}, "push_timeout_s must be a finite number"),
+        ({"claim_idle_s": -1.0}, "claim_idle_s must be a finite number"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            ReplayBuffer(redis_url, "run", **kwargs)
+    with pytest.raises(TypeError, match=r"url must be a redis:// URL or a redis\.Redis client"):
+        ReplayBuffer(None, "run")  # type: ignore[arg-type]
+    buffer = ReplayBuffer(redis_url, "run")
+    with pytest.raises(ValueError, match="timeout_s >= 0"):
+        buffer.take(1, 0, timeout_s=float("nan"))
+    with pytest.raises(ValueError, match=r"a whole n >= 1, got 2\.5"):
+        buffer.take(2.5, 0)  # type: ignore[arg-type]
+    buffer.push(group())
+    assert len(buffer.take(1, 0, timeout_s=float("inf")).groups) == 1  # no limit: it waits

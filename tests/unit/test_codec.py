@@ -361,3 +361,27 @@ def test_strings_at_their_character_limit_round_trip_in_any_script():
     back = decode(encode(group))
     assert back.responses[0].metadata == {emoji: text}
     assert back.prompt_id == emoji
+
+
+def test_values_a_record_would_change_or_refuse_later_are_refused_at_once():
+    # Group.new cast 1.7 to 1 and an int64 2**32 + 7 to 7 silently; a NaN created_at was
+    # pushed, then dropped as invalid by the next take
+    import dataclasses
+
+    import numpy as np
+
+    from staleflow.buffer.codec import RecordError, encode
+    from staleflow.buffer.records import Group, Response
+
+    def new(prompt=(1, 2), tokens=(4, 5)):
+        return Group.new(run_id="r", prompt_id="p", task="t", prompt_token_ids=prompt,
+                         responses=[Response(tokens, [-0.1, -0.2], 1.0)], policy_version=0,
+                         worker_id="w")  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"response 0: token ids must be integers .*1\.7"):
+        new(tokens=[1.7, 2.9])
+    with pytest.raises(ValueError, match=r"prompt_token_ids: token ids must be integers in"):
+        new(prompt=np.array([2**32 + 7, 5], dtype=np.int64))
+    assert new(prompt=np.array([7, 5], dtype=np.int64)).prompt_token_ids.tolist() == [7, 5]
+    with pytest.raises(RecordError, match="created_at"):
+        encode(dataclasses.replace(new(), created_at=float("nan")))
