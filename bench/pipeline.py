@@ -64,10 +64,12 @@ def run_once(text: str, overrides: list[str], directory: str) -> dict[str, Any]:
     if summary["status"] != "completed":
         raise RuntimeError(f"the {overrides[0]} run ended {summary['status']}: see {run.path}")
     records = list(read_metrics(run.metrics))
-    steps = [r for r in records if r["kind"] == "step"][1:]  # the first step includes start-up
+    every = [r for r in records if r["kind"] == "step"]
+    steps = every[1:]  # the first step includes start-up
     shards: dict[int, float] = defaultdict(float)
-    for r in records:
-        if r["kind"] == "rollout":  # a lock-step batch is done when its slowest shard is
+    for r in records:  # the batches finished after the first step, as the medians leave it out
+        if r["kind"] == "rollout" and r["time"] > every[0]["time"]:
+            # a lock-step batch is done when its slowest shard is
             shards[r["batch"]] = max(shards[r["batch"]], r["generate_s"] + r.get("load_s", 0.0))
     if "time_interval_s" not in steps[0]:  # a commit before the step timeline: derive
         for prev, r in zip([None, *steps], steps, strict=False):
@@ -86,11 +88,12 @@ def run_once(text: str, overrides: list[str], directory: str) -> dict[str, Any]:
     window = steps[1:]
     span = steps[-1]["wall_s"] - steps[0]["wall_s"]
     groups = sum(r["groups"] for r in window)
-    first, last = window[0]["step"], window[-1]["step"]
+    start, end = steps[0]["time"], steps[-1]["time"]  # (a rollout record's step is the
+    # driver's count when its batch finished: one less than the step it is trained in)
     rollout_s = sum(
         r["generate_s"] + r.get("load_s", 0.0)
         for r in records
-        if r["kind"] == "rollout" and first <= r["step"] <= last
+        if r["kind"] == "rollout" and start < r["time"] <= end
     )
     return {
         "interval": med["interval"],

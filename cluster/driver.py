@@ -89,6 +89,7 @@ class Driver(CheckpointMixin):
         self.stop_signal: str | None = None  # the signal that asked for the stop, by name
         self._finishing = False  # in _finish: a stop signal no longer interrupts
         self.started = time.time()
+        self._pool_since, self._pool_size = self.started, 0  # (see clock)
         self.services = Services(self.cfg, self.rundir, self.address)
         self.metrics: Any = None  # MetricsWriter, once started
         self._deferred_workers: int | None = None
@@ -180,7 +181,9 @@ class Driver(CheckpointMixin):
             assert self.resumed is not None
             prompts = self.resumed.prompts_of(batch)
         weights = self.published[version]
-        self.timeline.gap_s += self.rollouts.start(slots, batch, weights, prompts)
+        self.timeline.gap_s += self.rollouts.start(
+            slots, batch, weights, prompts, since=self.timeline.last
+        )
         flow.running[batch] = (version, len(prompts))
 
     def _redo_batches(self) -> None:
@@ -263,11 +266,12 @@ class Driver(CheckpointMixin):
             self._published(report.weights)
         elif self.sync.broadcasts and self.schedule.publishes_after(self.step):
             self._publish()
-        elapsed = max(time.time() - self.started, 1e-9)
-        workers = max(len(self.pool.active), 1)
+        clock = self.clock()
+        elapsed = max(clock["wall_s"], 1e-9)
+        self.timeline.gap_s += self.rollouts.idle_seconds(since=self.timeline.last)
         record.update(
             learner_busy=c.learner_s / elapsed,
-            rollout_busy=c.rollout_s / (elapsed * workers),
+            rollout_busy=c.rollout_s / max(clock["worker_s"], 1e-9),
             workers=len(self.pool.active),
             wall_s=elapsed,
             **self.timeline.close_step(report.timeline),
@@ -605,9 +609,21 @@ class Driver(CheckpointMixin):
         self._deferred_workers = n
         self._publish_when_idle = not self.schedule.lockstep
 
+    def clock(self) -> dict[str, float]:
+        """The run's time from its first step's start (`wall_s`, resumes included) and the
+        worker-seconds its pool has had (`worker_s`: each stretch at the worker count seen at
+        its start, counted on at every step and scale): the busy fractions' denominators."""
+        now = time.time()
+        self.counts.worker_s += (now - self._pool_since) * self._pool_size
+        self._pool_since, self._pool_size = now, len(self.pool.active)
+        self.counts.wall_s = now - self.started
+        return {"wall_s": self.counts.wall_s, "worker_s": self.counts.worker_s}
+
     def _scale(self, n: int) -> None:
         logger.info("scaling rollout workers %d -> %d", len(self.pool.active), n)
+        self.clock()  # the stretch before at the old count
         self.pool.scale(n)
+        self._pool_size = len(self.pool.active)
         self.metrics.write("scale", self.step, workers=n, wall_s=time.time() - self.started)
         self._write_status("running")
 
@@ -650,7 +666,9 @@ class Driver(CheckpointMixin):
             self._evaluate(0)  # (a run stopped before its first evaluation had finished)
         elif self._eval_due(self.step) and self.step not in self.accuracy:
             self._evaluate(self.step)  # the checkpoint's evaluation did not finish before
-        self.started = time.time()  # busy fractions and wall time count from here
+        # busy fractions and wall time count from here, a resumed run's from its first start
+        self.started = time.time() - self.counts.wall_s
+        self._pool_since, self._pool_size = time.time(), len(self.pool.active)
         self.timeline = Timeline()  # so does the first step's interval (not the first publish)
         self._write_status("running")
         if self.progress is not None:

@@ -21,6 +21,11 @@ class Counts:
     dropped_invalid: int = 0
     rollout_s: float = 0.0  # summed over workers: generation time
     learner_s: float = 0.0  # the learner's steps (forward, backward, optimizer)
+    # run time from the first step's start, and the worker-seconds the pool had in it (each
+    # interval at the worker count it had), up to the last step or scale: the busy fractions'
+    # denominators, kept across a resume as learner_s and rollout_s are
+    wall_s: float = 0.0
+    worker_s: float = 0.0
 
     def catch_up_drops(self, stats: Any) -> int:
         """Take the buffer's drop counts (`stats`, BufferStats), which are final: after a

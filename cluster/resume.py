@@ -88,7 +88,7 @@ def driver_state(driver: Any, trained: int) -> dict[str, Any]:
             "trained": flow.trained,
             "dropped": flow.dropped,
         },
-        "counts": {**dataclasses.asdict(c), "trained": trained},
+        "counts": {**dataclasses.asdict(c), "trained": trained, **driver.clock()},
         "prompts_per_batch": driver.P,
         "prompts": {"taken": driver.prompts.taken, "sha256": driver.prompts.digest},
         "faults": driver.faults,

@@ -56,19 +56,33 @@ class Rollouts:
     shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part
     _open: dict[int, int] = field(default_factory=dict)  # batch -> parts still running
 
-    def start(self, slots: list[Any], batch: int, weights: Any, prompts: list[Any]) -> float:
+    def start(
+        self,
+        slots: list[Any],
+        batch: int,
+        weights: Any,
+        prompts: list[Any],
+        since: float = -math.inf,
+    ) -> float:
         """Split `prompts` over `slots` and start each part with `weights` (a published
-        version); returns the seconds the slots had been idle (the timeline's dispatch
-        gap)."""
+        version); returns the seconds the slots had been idle since `since` (the timeline's
+        dispatch gap: the current interval's start; what came before was counted in the
+        interval it fell in, `idle_seconds`)."""
         parts = np.array_split(np.arange(len(prompts)), len(slots))
         now, gap = time.monotonic(), 0.0
         for slot, part in zip(slots, parts, strict=False):
             if len(part) == 0:
                 continue
-            gap += max(0.0, now - slot.idle_since)
+            gap += max(0.0, now - max(slot.idle_since, since))
             self._run(Shard(slot, batch, weights, [prompts[i] for i in part], int(part[0])))
             self._open[batch] = self._open.get(batch, 0) + 1
         return gap
+
+    def idle_seconds(self, since: float) -> float:
+        """Seconds the pool's idle workers have waited since `since` (a step's close: their
+        wait until then belongs to the interval that ends)."""
+        now = time.monotonic()
+        return sum(max(0.0, now - max(s.idle_since, since)) for s in self.pool.active if not s.busy)
 
     def _run(self, shard: Shard) -> None:
         ref = self.pool.run_batch(shard.slot, shard.weights, shard.prompts,

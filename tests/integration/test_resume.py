@@ -75,6 +75,14 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     for r in steps:
         assert r["lag_min"] == r["lag_max"] == lag(r["step"], 1, 1)
     assert [r["step"] for r in records if r["kind"] == "resume"] == [5]
+    # the resumed run's clock goes on from the checkpoint's: it restarted at 0, so its busy
+    # fractions divided the whole run's busy seconds by the time since the resume (over 1)
+    assert state["counts"]["wall_s"] == pytest.approx(steps[4]["wall_s"], abs=5.0)
+    walls = [r["wall_s"] for r in steps]
+    assert walls == sorted(walls)
+    assert walls[5] > walls[4]
+    assert all(0 < r["learner_busy"] <= 1 and 0 < r["rollout_busy"] <= 1 for r in steps)
+    assert 0 < summary["learner_busy"] <= 1
 
 
 def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(

@@ -169,6 +169,11 @@ def test_async_run_bounds_staleness_and_reconciles(tmp_path, ray_local):
     last = steps[-1]
     assert 0 < last["learner_busy"] <= 1
     assert 0 < last["rollout_busy"] <= 1
+    # idle worker-seconds are booked in the interval they fall in: at most 2 per second of
+    # it (a worker's idle time since its start went to the first dispatch's step: 50
+    # worker-seconds in a 0.25 s interval)
+    for r in steps:
+        assert 0 <= r["time_gap_s"] <= 2 * r["time_interval_s"] + 0.05, r
     # both workers produced data
     workers = {r["worker"] for r in records if r["kind"] == "rollout"}
     assert workers == {0, 1}

@@ -101,7 +101,7 @@ def test_a_checkpoint_no_resume_could_use_is_not_made_with_a_broadcast_sync(capl
         return SimpleNamespace(
             cfg=cfg, schedule=Schedule(cfg), flow=flow, step=3, learner=Learner(),
             sync=SimpleNamespace(broadcasts=method in ("gloo", "nccl")),
-            counts=Counts(), P=2, faults=[], run_id="r",
+            counts=Counts(), P=2, faults=[], run_id="r", clock=lambda: {},
             prompts=SimpleNamespace(taken=6, digest=""),
             rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
         )  # fmt: skip
