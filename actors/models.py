@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,17 +113,13 @@ def known_context(cfg: Any) -> int | None:
         return cfg.rollout.vllm.max_model_len  # type: ignore[no-any-return]
     if cfg.model.preset == "tiny":
         return TINY_CONTEXT
-    path = (
-        cache_dir() / "models" / "smollm2-135m-instruct"
-        if cfg.model.preset == "smollm2-135m"
-        else Path(cfg.model.path)
-    )
+    path = _smollm2_target() if cfg.model.preset == "smollm2-135m" else Path(cfg.model.path)
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        n = context_of(types.SimpleNamespace(**config))
+    except (OSError, ValueError, TypeError):
         return None  # not converted yet, or unreadable: loading it says what is wrong
-    n = config.get("max_position_embeddings") or config.get("n_positions")
-    return n if type(n) is int and n > 0 else None
+    return n if n is not None and n > 0 else None
 
 
 def prompt_ids(tokenizer: Any, texts: list[str], chat_template: bool) -> list[list[int]]:
@@ -251,8 +248,13 @@ def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
 
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct directory, converting it from the GGUF on first use."""
-    target = cache_dir() / "models" / "smollm2-135m-instruct"
-    return _made_once(target, "model.safetensors", lambda out: _convert_gguf(_smollm2_gguf(), out))
+    return _made_once(
+        _smollm2_target(), "model.safetensors", lambda out: _convert_gguf(_smollm2_gguf(), out)
+    )
+
+
+def _smollm2_target() -> Path:
+    return cache_dir() / "models" / "smollm2-135m-instruct"
 
 
 def _made_once(target: Path, last_file: str, make: Callable[[Path], None]) -> Path:

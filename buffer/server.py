@@ -34,7 +34,14 @@ from redis.retry import Retry
 
 from staleflow.buffer.ports import free_port
 
-__all__ = ["RedisServer", "RedisServerError", "find_redis_server", "read_server_url", "redis_dir"]
+__all__ = [
+    "NoServerRecorded",
+    "RedisServer",
+    "RedisServerError",
+    "find_redis_server",
+    "read_server_url",
+    "redis_dir",
+]
 
 INSTALL_HINT = (
     "install one with `apt-get install redis-server` (Debian/Ubuntu), `brew install redis`, "
@@ -45,6 +52,10 @@ SERVER_FILE = "server.json"
 
 class RedisServerError(RuntimeError):
     """The embedded server could not be found, started or reached."""
+
+
+class NoServerRecorded(RedisServerError):
+    """A run directory records no embedded server (none started, or the run used another)."""
 
 
 def redis_dir(run_dir: str | Path) -> Path:
@@ -68,7 +79,7 @@ def read_server_url(data_dir: str | Path) -> str:
         info = json.loads(path.read_text())
         return str(info["url"])
     except FileNotFoundError:
-        raise RedisServerError(
+        raise NoServerRecorded(
             f"no embedded Redis server recorded at {path}; is the run still going?"
         ) from None
     except PermissionError:  # written 0600: it holds the server's password

@@ -78,7 +78,12 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
     import dataclasses
 
     from staleflow.buffer.replay import BufferConnectionError, ReplayBuffer
-    from staleflow.buffer.server import RedisServerError, read_server_url, redis_dir
+    from staleflow.buffer.server import (
+        NoServerRecorded,
+        RedisServerError,
+        read_server_url,
+        redis_dir,
+    )
     from staleflow.cluster.rundir import RunDir, keys_named, read_json_object
 
     state = None
@@ -113,9 +118,7 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             )
         try:
             url = args.redis_url or read_server_url(redis_dir(args.run_dir))
-        except RedisServerError as exc:
-            if not str(exc).startswith("no embedded Redis server recorded"):
-                raise
+        except NoServerRecorded as exc:
             raise ValueError(  # a run given $STALEFLOW_REDIS_URL records no URL in config.json
                 f"{exc} If it uses an external Redis ($STALEFLOW_REDIS_URL), give its URL: "
                 f"--redis-url URL --run {RunDir(args.run_dir).key}"

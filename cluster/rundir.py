@@ -324,7 +324,7 @@ class MetricsWriter:
 
 def read_metrics(path: Path) -> Iterator[dict[str, Any]]:
     """Records of a metrics.jsonl: objects with a string `kind` and an integer `step`, as
-    `Metrics.write` makes them. A torn last line (a crash mid-write) is skipped; any other
+    `MetricsWriter.write` makes them. A torn last line (a crash mid-write) is skipped; any other
     line that is no such record (a hand edit, a damaged disk) is skipped with a warning
     naming it, so a report or resume reads the rest."""
     if not path.is_file():

@@ -208,9 +208,10 @@ def _is_json(text: str) -> bool:
 
 def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
     """Parse the document and record the 1-based line of every key."""
+    text = _untabbed(text)
     try:
-        root = yaml.compose(named_text(_untabbed(text), source), Loader=YamlLoader)
-        data = read_yaml(text, source)
+        root = yaml.compose(named_text(text, source), Loader=YamlLoader)
+        data = read_yaml(text, source)  # (no tab left: not checked as JSON again)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source

@@ -42,6 +42,12 @@ from staleflow.learner.sync_group import gloo_on_node_interface
 
 logger = logging.getLogger(__name__)
 
+# What makes a step's gradient norm inf or NaN once ratios are clamped (losses.py)
+_NONFINITE_CAUSES = (
+    "a reward or log-prob far out of range in the batch, or a RED-Weight weight_temperature "
+    "so small exp(A / T) overflows"
+)
+
 __all__ = ["Learner", "ensure_distributed", "response_logprobs"]
 
 
@@ -339,9 +345,8 @@ class Learner:
                 logger.warning(
                     "learner step %d: the gradient norm is %s (loss %s): this optimizer step is "
                     "skipped, the weights and optimizer state are unchanged (metrics: "
-                    "skipped_steps). Look for a reward or log-prob far out of range in the "
-                    "batch, or a RED-Weight weight_temperature so small exp(A / T) overflows",
-                    self.version + 1, norm, total,
+                    "skipped_steps). Look for %s",
+                    self.version + 1, norm, total, _NONFINITE_CAUSES,
                 )  # fmt: skip
                 return total, norm
         self.engine.step()
@@ -353,9 +358,8 @@ class Learner:
                     f"learner step {self.version + 1}: the gradient norm is {norm} (loss "
                     f"{total}) and ZeRO stage {self.cfg.learner.zero_stage} applied it, so "
                     "the weights may hold NaN: resume from the last checkpoint, after "
-                    "removing the cause (a reward or log-prob far out of range in the batch, "
-                    "or a RED-Weight weight_temperature so small exp(A / T) overflows); at "
-                    "ZeRO 0 such a step is skipped"
+                    f"removing the cause ({_NONFINITE_CAUSES}); at ZeRO 0 such a step is "
+                    "skipped"
                 )
         timing["step_s"] += time.perf_counter() - t2
         self.optimizer_steps += 1
