@@ -326,6 +326,10 @@ def _check_rewards(rewards: Any, k: int) -> list[float]:
     if not _types(rewards) <= _NUMBER:
         raise RecordError("rewards", "expected numbers")
     if not math.isfinite(sum(rewards)):
+        if all(map(math.isfinite, rewards)):  # 1e308 + 1e308: the advantages would be NaN
+            raise RecordError(
+                "rewards", "rewards so large that their sum overflows float64: scale them down"
+            )
         raise RecordError("rewards", "rewards must be finite")
     return rewards
 

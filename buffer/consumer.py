@@ -219,6 +219,8 @@ class Consumer:
     @translate_errors
     def hold(self, n: int) -> None:
         """See ReplayBuffer.hold."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"hold(n): n must be a count of taken groups (an int >= 0), got {n!r}")
         if n > 0:  # one token per hold: a retry after a lost reply counts nothing twice
             status = self.keys.hold_status(next(self._ack_tokens))
             self._hold(keys=[self.keys.stats, status], args=[n, scripts.STATUS_TTL_S])

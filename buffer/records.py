@@ -149,7 +149,7 @@ class Group:
             rewards=np.array([float(r.reward) for r in responses], dtype=REWARD_DTYPE),
             finish_reasons=tuple(r.finish_reason for r in responses),
             metadata=tuple(dict(r.metadata) for r in responses),
-            policy_version=int(policy_version),
+            policy_version=_version(policy_version),
             worker_id=worker_id,
             created_at=time.time(),
         )
@@ -246,6 +246,15 @@ def batch_group_id(run_id: str, batch: int, index: int) -> str:
     import hashlib
 
     return hashlib.blake2b(f"{run_id}/{batch}/{index}".encode(), digest_size=16).hexdigest()
+
+
+def _version(value: int) -> int:
+    """A policy version as int, refusing what int() would change (1.9 became 1) or a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise ValueError(
+            f"policy_version must be an integer (the learner steps done), got {value!r}"
+        )
+    return int(value)
 
 
 def _token_ids(values: Sequence[int] | np.ndarray, where: str) -> np.ndarray:

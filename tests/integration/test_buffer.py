@@ -197,6 +197,10 @@ def test_a_hold_sent_again_after_a_lost_reply_counts_once(redis_url, monkeypatch
     buffer.hold(2)
     monkeypatch.undo()
     assert buffer.stats().held == 2
+    for bad in (-1, 1.5, "2", True):  # -1 did nothing silently, 1.5 was a raw Lua error
+        with pytest.raises(ValueError, match=r"hold\(n\): n must be a count"):
+            buffer.hold(bad)
+    assert buffer.stats().held == 2
     buffer.push_many([group(prompt="a"), group(prompt="b")])  # 6 stored - 2 held = 4: full
     with pytest.raises(BufferFullError):
         buffer.push(group(prompt="c"))

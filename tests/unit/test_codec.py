@@ -385,3 +385,28 @@ def test_values_a_record_would_change_or_refuse_later_are_refused_at_once():
     assert new(prompt=np.array([7, 5], dtype=np.int64)).prompt_token_ids.tolist() == [7, 5]
     with pytest.raises(RecordError, match="created_at"):
         encode(dataclasses.replace(new(), created_at=float("nan")))
+    # a version of 1.9 became 1 (int()); a numpy integer is a version like any other
+    with pytest.raises(ValueError, match=r"policy_version must be an integer .* got 1\.9"):
+        Group.new(run_id="r", prompt_id="p", task="t", prompt_token_ids=[1],
+                  responses=[Response([4], [-0.1], 1.0)], policy_version=1.9,
+                  worker_id="w")  # fmt: skip
+    assert dataclasses.replace(new(), policy_version=np.int64(3)).policy_version == 3
+
+
+def test_rewards_whose_sum_overflows_are_named_as_too_large_not_as_infinite():
+    # 1e308 is finite, but 1e308 + 1e308 is inf: the message said "must be finite"
+    import dataclasses
+
+    import numpy as np
+
+    from staleflow.buffer.codec import RecordError, encode
+    from staleflow.buffer.records import Group, Response
+
+    group = Group.new(run_id="r", prompt_id="p", task="t", prompt_token_ids=[1],
+                      responses=[Response([4], [-0.1], 1e308)] * 2, policy_version=0,
+                      worker_id="w")  # fmt: skip
+    with pytest.raises(RecordError, match="sum overflows float64: scale them down"):
+        encode(group)
+    inf = dataclasses.replace(group, rewards=np.array([1.0, np.inf]))
+    with pytest.raises(RecordError, match="rewards must be finite"):
+        encode(inf)
