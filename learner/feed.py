@@ -35,7 +35,9 @@ class Batch:
 
     groups: list[Group]
     receipts: list[Receipt]
-    take_s: float  # what getting them cost the step: waiting for data, decoding not prefetched
+    # what getting them cost the step: waiting for data (in the calls that came back short
+    # too), decoding not prefetched
+    take_s: float
 
 
 @dataclass
@@ -46,6 +48,7 @@ class BatchFeed:
     held: list[Receipt] = field(default_factory=list)  # trained, acked at the next commit
     dropped_stale: int = 0  # since the last `drops()`
     dropped_invalid: int = 0
+    _waited: float = 0.0  # seconds of `next` calls that came back short since the last batch
     _next: Future[float] | None = None
     _executor: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="staleflow-prefetch")
@@ -84,10 +87,12 @@ class BatchFeed:
         `wait_s` (they stay staged for the next call)."""
         spent = self._join() + self._take(version, wait_s)
         if self._have() < self.size:
+            self._waited += spent  # the step that gets the data waited this long for it too
             return None
         groups = [g for t in self.staged for g in t.groups]
         receipts = [r for t in self.staged for r in t.receipts]
         self.staged = []
+        spent, self._waited = self._waited + spent, 0.0
         return Batch(groups, receipts, take_s=spent)
 
     def settle(self) -> tuple[int, int]:
