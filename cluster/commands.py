@@ -300,6 +300,7 @@ def _hold(held: contextlib.ExitStack, run: Any) -> None:
 def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from staleflow.actors.models import ModelError
     from staleflow.cluster.driver import Driver
+    from staleflow.cluster.failures import ClusterUnreachable
     from staleflow.cluster.progress import Progress
     from staleflow.cluster.resume import ResumeError
     from staleflow.cluster.rundir import RunDir, RunDirBusy
@@ -346,8 +347,15 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
                 "buffer.redis_url=redis://... or $STALEFLOW_REDIS_URL (a server every node "
                 "reaches), or run the driver on a node of the cluster with --address auto"
             )
+        if args.address:  # before the run directory: a failed start left one a rerun refused
+            from staleflow.cluster.placement import check_reachable
+
+            check_reachable(args.address)
     # (TaskError is a ValueError; FileNotFoundError: --resume of a directory with no run)
-    except (ConfigError, ValueError, ResumeError, ModelError, RunDirBusy, FileNotFoundError) as exc:
+    except (
+        ConfigError, ValueError, ResumeError, ModelError, RunDirBusy, FileNotFoundError,
+        ClusterUnreachable,
+    ) as exc:  # fmt: skip
         return _fail(str(exc))
     if resume:
         run = RunDir(resume)
@@ -686,6 +694,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if not args.dry_run and not args.report_only:
         try:
             args.address = ray_address(args.address)
+            if args.address:  # before any cell's run directory is made
+                from staleflow.cluster.placement import check_reachable
+
+                check_reachable(args.address)
         except ClusterUnreachable as exc:
             return _fail(str(exc))
     try:

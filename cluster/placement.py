@@ -47,6 +47,7 @@ __all__ = [
     "LearnerGroup",
     "StartTimeout",
     "WorkerPool",
+    "check_reachable",
     "learner_threads",
     "object_store_bytes",
     "start_ray",
@@ -86,7 +87,7 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "include_dashboard": False}
     if address:
-        _check_reachable(address)
+        check_reachable(address)
         try:
             ray.init(address=address, **kwargs)
         except (ConnectionError, ValueError) as exc:  # none running there; ray:// w/o client
@@ -147,7 +148,7 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
         ) from None
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail at once, naming the address, when nothing accepts a TCP connection at the
     HOST:PORT of `address`, or what does answers in another protocol than gRPC (a Redis, the
     dashboard): ray.init retries such an address for minutes (here, with nothing on a

@@ -95,6 +95,24 @@ def test_ray_client_address_without_a_reachable_redis_is_refused(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_an_address_where_nothing_listens_is_refused_before_the_run_directory(tmp_path):
+    # the run directory was made first: a rerun with the address fixed was refused, as the
+    # directory "already holds a run"
+    from staleflow.buffer.ports import free_port
+
+    port = free_port("127.0.0.1")
+    out = staleflow("train", "configs/tiny.yaml", "--address", f"127.0.0.1:{port}",
+                    f"run.output_dir={tmp_path}")  # fmt: skip
+    assert out.returncode == 2
+    assert f"nothing accepts connections at 127.0.0.1:{port}" in out.stderr
+    assert not any(tmp_path.iterdir())
+    out = staleflow("sweep", "configs/sweeps/tiny.yaml", "--out", str(tmp_path / "out"),
+                    "--address", f"127.0.0.1:{port}")  # fmt: skip
+    assert out.returncode == 2
+    assert f"nothing accepts connections at 127.0.0.1:{port}" in out.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_config_error_exits_2_with_the_location():
     out = staleflow("config", "configs/tiny.yaml", "sync.offset=-1")
     assert out.returncode == 2
