@@ -232,9 +232,12 @@ class RunDir:
         return path if path.is_dir() else None
 
     def mark_latest_checkpoint(self, path: Path) -> None:
+        from staleflow.learner.durable import replace_durably
+
+        # durable before the step's groups are acked (the caller acks after this returns)
         tmp = self.checkpoints / f".LATEST.{uuid.uuid4().hex[:8]}"
         tmp.write_text(path.name)
-        os.replace(tmp, self.checkpoints / "LATEST")
+        replace_durably(tmp, self.checkpoints / "LATEST")
 
     def prune_checkpoints(self, keep: int) -> None:
         """Delete all but the newest `keep` checkpoints (never the one LATEST names)."""

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from staleflow.configs.loader import redacted_dict
+from staleflow.learner.durable import fsync_dir, fsync_file
 
 __all__ = [
     "FORMAT",
@@ -113,15 +114,17 @@ def save_checkpoint(
             }
             (tmp / "trainer.json").write_text(json.dumps(trainer, default=_json_scalar))
             for f in tmp.iterdir():
-                with open(f, "rb") as handle:
-                    os.fsync(handle.fileno())
+                fsync_file(f)
+            fsync_dir(tmp)
             if path.exists():
                 old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
                 path.rename(old)
                 tmp.rename(path)
+                fsync_dir(path.parent)
                 shutil.rmtree(old)
             else:
                 tmp.rename(path)
+                fsync_dir(path.parent)
     finally:
         _barrier(world)
         if rank == 0:

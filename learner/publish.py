@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from staleflow.learner.durable import fsync_file
+
 __all__ = [
     "ALIGN",
     "BroadcastWeights",
@@ -203,9 +205,13 @@ class CheckpointPublisher:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"weights-v{version:08d}.safetensors"
         tmp = self.directory / f".{final.name}.{uuid.uuid4().hex[:8]}"
-        save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
-                  metadata={"version": str(version)})  # fmt: skip
-        _fsync_rename(tmp, final)
+        try:
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+                      metadata={"version": str(version)})  # fmt: skip
+            _fsync_rename(tmp, final)
+        except BaseException:  # a full disk: no partial file left to fill it further
+            tmp.unlink(missing_ok=True)
+            raise
         latest_tmp = self.directory / f".LATEST.{uuid.uuid4().hex[:8]}"
         latest_tmp.write_text(json.dumps({"version": version, "file": final.name}))
         _fsync_rename(latest_tmp, self.directory / "LATEST")
@@ -235,8 +241,9 @@ def read_published(
 
 
 def _fsync_rename(tmp: Path, final: Path) -> None:
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
+    """(Not `replace_durably`: a resume publishes the weights again from its checkpoint, and a
+    directory fsync per publish would cost every step.)"""
+    fsync_file(tmp)
     os.replace(tmp, final)
 
 

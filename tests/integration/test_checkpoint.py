@@ -53,10 +53,31 @@ def test_resume_gives_exactly_the_uninterrupted_run(tmp_path, stage):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
 
 
-def test_saving_over_an_existing_checkpoint_is_atomic(tmp_path):
+def test_saving_over_an_existing_checkpoint_is_atomic(tmp_path, monkeypatch):
+    import safetensors.torch
+
     learner = new_learner(parse_config(CFG))
     learner.save(tmp_path / "ckpt")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
     learner.step(sampled_groups(n=1))
+    # a save that fails half-way (the optimizer's file written, the model's not) leaves the
+    # checkpoint that was there whole and loadable, and no partial directory
+    real = safetensors.torch.save_file
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        if str(filename).endswith("model.safetensors"):
+            raise OSError(28, "No space left on device")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        learner.save(tmp_path / "ckpt")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    loaded = new_learner(parse_config(CFG))
+    loaded.load(tmp_path / "ckpt")
+    assert loaded.version == 0  # the checkpoint from before the step
     learner.save(tmp_path / "ckpt")
     assert json.loads((tmp_path / "ckpt" / "trainer.json").read_text())["steps"] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temp or old dirs left

@@ -121,7 +121,7 @@ def test_publish_time_is_logged(tmp_path, caplog):
     assert (tmp_path / "weights-v00000004.safetensors").is_file()
 
 
-def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path):
+def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path, monkeypatch):
     learner = trained_learner()
     publisher = CheckpointPublisher(tmp_path / "weights", keep=2)
     first = learner.state_dict_for_sync()
@@ -143,6 +143,22 @@ def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path):
     # keep=0 sliced [:-0], which is nothing: every file was kept
     with pytest.raises(ValueError, match="keep must be at least 1"):
         CheckpointPublisher(tmp_path / "weights", keep=0)
+
+    # a publish that dies mid-write (the disk fills) leaves LATEST on the last whole version
+    import safetensors.numpy
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as half:
+            half.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        publisher.publish(second, version=4)
+    version, arrays = read_published(tmp_path / "weights")
+    assert version == 3
+    assert all(np.array_equal(arrays[k], second[k]) for k in second)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == files  # no partial
 
 
 def test_reading_before_anything_was_published(tmp_path):
