@@ -323,7 +323,10 @@ def test_eval_of_a_model_directory_with_a_task_and_overrides(tmp_path):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert (result["task"], result["prompts"]) == ("digits", 4)
-    assert result["accuracy"] * 4 == round(result["accuracy"] * 4)  # a fraction of 4 prompts
+    assert len(result["examples"]) == 3  # (prompt, response, reward) of the digits task
+    for prompt, _response, reward in result["examples"]:
+        assert re.fullmatch(r"What is \d \+ \d\? Answer with just the number\.", prompt)
+        assert 0.0 <= reward <= 1.0
 
 
 def test_eval_refuses_bad_options_and_a_broken_model_directory_in_one_line(tmp_path):

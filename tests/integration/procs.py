@@ -60,8 +60,22 @@ class LoggedProcess(subprocess.Popen):
         self._file.close()
 
 
+# What an in-process Learner of an earlier test sets in this process (torch.distributed's
+# rendezvous, gloo's interface) and DeepSpeed reads again later, so it stays: a process
+# started here gets a shell's environment instead.
+DISTRIBUTED_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME",
+)  # fmt: skip
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment less DISTRIBUTED_ENV, with `extra` and Ray's auth off."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    return {**env, "RAY_AUTH_MODE": "disabled", **extra}
+
+
 def staleflow(*args: str, cwd: Path, **kwargs) -> LoggedProcess:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    env = clean_env(PYTHONUNBUFFERED="1")
     log = Path(cwd) / f".staleflow-{time.monotonic_ns()}.log"
     return LoggedProcess(
         [sys.executable, "-m", "staleflow.cluster.cli", *args], log, cwd=cwd, env=env, **kwargs

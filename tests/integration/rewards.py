@@ -30,3 +30,9 @@ def one_slow_worker(meta: dict, text: str) -> float:
 def length(meta: dict, text: str) -> float:
     """The response's length: any reward will do where a test needs a `custom` task."""
     return float(len(text))
+
+
+def expected(meta: dict, text: str) -> float:
+    """The prompt's own `expect` field, whatever the response: a test knows each prompt's
+    score in advance."""
+    return float(meta["expect"])

@@ -183,7 +183,7 @@ def test_warmup_cosine_schedule():
     warmup = [0.5e-3, 1e-3]
     cosine = [1e-3 * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 2) / 8))) for s in range(2, 10)]
     assert lrs == pytest.approx(warmup + cosine, rel=1e-6)
-    assert cosine[0] == 1e-3  # p = 0: the peak, right after warmup
+    assert lrs[2] == pytest.approx(1e-3)  # p = 0: the peak, right after warmup
 
 
 @pytest.mark.parametrize("stage", [2, 3])

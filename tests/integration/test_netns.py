@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from staleflow.cluster.rundir import RunDir
+from tests.integration.procs import clean_env
 from tests.integration.test_system import assert_reconciled
 from tests.integration.tiny import ONE_WORKER, TINY
 
@@ -70,8 +71,7 @@ def _node_env(**extra: str) -> dict[str, str]:
     """This process's environment for a node's processes, less what an earlier in-process
     test left behind that a real node would not have: the learner pins gloo to the interface
     of its process's node (GLOO_SOCKET_IFNAME=lo here), which on another node is wrong."""
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    return {**env, **extra}
+    return clean_env(**extra)
 
 
 def _sh(*args: str) -> None:
@@ -276,13 +276,11 @@ def test_an_external_server_on_the_head_serves_a_cluster_joined_separately(nodes
 def test_a_worker_that_cannot_reach_redis_fails_at_start_naming_the_address(nodes, unrouted_redis):
     url, password = unrouted_redis
     work = _run_dir(nodes, "unreachable")
-    started = time.monotonic()
     code, out = nodes.train(
         "run.name=unreachable", "run.steps=4", 'learner.resources={"head": 1}',
         'rollout.resources={"rollout": 1}', ONE_WORKER, cwd=work,
         env={"STALEFLOW_REDIS_URL": url},
     )  # fmt: skip
-    took = time.monotonic() - started
     assert code == 2, out[-4000:]
     error = next(line for line in out.splitlines() if line.startswith("error: "))
     # the driver (node 0) reaches the server, so it gets as far as starting the workers
@@ -291,7 +289,7 @@ def test_a_worker_that_cannot_reach_redis_fails_at_start_naming_the_address(node
     assert f"on {SUBNET}." in error  # names the worker's node
     assert f"{UNROUTED}:" in error  # and the address it tried
     assert password not in out
-    assert took < 300, f"took {took:.0f} s"  # failed at start, not after the run's timeouts
+    # at start: after the run's own limits (30 min) it would be the test's 600 s timeout
     summary = json.loads((work / "runs/unreachable/summary.json").read_text())
     assert summary["status"] == "failed"
 

@@ -77,7 +77,8 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     assert [r["step"] for r in records if r["kind"] == "resume"] == [5]
     # the resumed run's clock goes on from the checkpoint's: it restarted at 0, so its busy
     # fractions divided the whole run's busy seconds by the time since the resume (over 1)
-    assert state["counts"]["wall_s"] == pytest.approx(steps[4]["wall_s"], abs=5.0)
+    # (the final checkpoint was made after step 5's record, and step 6 follows it)
+    assert steps[4]["wall_s"] <= state["counts"]["wall_s"] <= steps[5]["wall_s"]
     walls = [r["wall_s"] for r in steps]
     assert walls == sorted(walls)
     assert walls[5] > walls[4]
@@ -267,12 +268,13 @@ def test_a_learner_rank_killed_during_a_checkpoint_stops_the_run_resumably(
     assert_reconciled(resumed)
 
 
+# the stop waits at most the 30 s given to a blocked rank's close, never the collective's
+@pytest.mark.timeout(300)
 def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_local, monkeypatch):
     # The driver watched only rank 0's call: rank 1 raising (out of memory, say) left rank 0
     # waiting for it in the step's first collective, and the run hung until the process
     # group's timeout (10-30 min). Injected here: at the third learner call rank 1 raises
     # instead of stepping, while rank 0 steps for real.
-    import time
 
     import ray
 
@@ -291,7 +293,6 @@ def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_loc
         return original(self, wait_s, publish)
 
     monkeypatch.setattr(LearnerGroup, "train", rank_1_fails)
-    started = time.monotonic()
     _cfg, run, summary, _ = run_driver(
         tmp_path,
         "run.name=m",
@@ -304,15 +305,13 @@ def test_a_learner_rank_failing_mid_step_stops_the_run_at_once(tmp_path, ray_loc
     assert summary["steps"] == 2
     assert "MemoryError: rank 1 ran out of memory" in summary["learner_error"]
     assert summary["resume"] == f"staleflow train --resume {run.path}"
-    # the stop waits at most the 30 s given to a blocked rank's close: never the collective's
-    assert time.monotonic() - started < 300
 
 
 def _run_with_a_call_that_never_returns(tmp_path, name, inject, *overrides):
     """run_driver with learner.step_timeout_s=10, after `inject(never)` has patched in a call
     that never returns: `never()` starts a Ray task that sleeps for an hour (cancelled when
-    the run is over) and returns its ref. Returns (run, summary, seconds the run took, the
-    refs made)."""
+    the run is over) and returns its ref. Returns (run, summary, the refs made); a run that
+    waited for the hour instead of the limit fails by the test's 600 s timeout."""
     import time
 
     import ray
@@ -328,7 +327,6 @@ def _run_with_a_call_that_never_returns(tmp_path, name, inject, *overrides):
         return refs[-1]
 
     inject(never)
-    started = time.monotonic()
     try:
         _cfg, run, summary, _ = run_driver(
             tmp_path, f"run.name={name}", "run.checkpoint_every=2", "learner.step_timeout_s=10",
@@ -337,7 +335,7 @@ def _run_with_a_call_that_never_returns(tmp_path, name, inject, *overrides):
     finally:
         for ref in refs:
             ray.cancel(ref, force=True)
-    return run, summary, time.monotonic() - started, refs
+    return run, summary, refs
 
 
 def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
@@ -359,9 +357,7 @@ def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
 
         monkeypatch.setattr(LearnerGroup, "train", rank_0_hangs)
 
-    run, summary, seconds, _ = _run_with_a_call_that_never_returns(
-        tmp_path, "h", inject, "run.steps=6"
-    )
+    run, summary, _ = _run_with_a_call_that_never_returns(tmp_path, "h", inject, "run.steps=6")
     assert summary["status"] == "failed"
     assert summary["steps"] == 2
     assert summary["learner_error"].startswith(
@@ -369,7 +365,6 @@ def test_a_learner_call_that_never_returns_stops_the_run_after_step_timeout_s(
     )
     assert summary["resume"] == f"staleflow train --resume {run.path}"
     assert run.latest_checkpoint().name == "step-000002"  # none made behind the hung call
-    assert seconds < 300  # the limit, then the stop: not the hour
 
 
 def test_a_checkpoint_that_never_returns_stops_the_run_after_step_timeout_s(
@@ -385,16 +380,13 @@ def test_a_checkpoint_that_never_returns_stops_the_run_after_step_timeout_s(
             LearnerGroup, "save", lambda self, path, extra: self.on_ranks([never()], "a checkpoint")
         )
 
-    run, summary, seconds, refs = _run_with_a_call_that_never_returns(
-        tmp_path, "c", inject, "run.steps=4"
-    )
+    run, summary, refs = _run_with_a_call_that_never_returns(tmp_path, "c", inject, "run.steps=4")
     assert len(refs) == 1  # the stop made no second checkpoint behind it
     assert summary["status"] == "failed"
     assert summary["learner_error"].startswith(
         "learner rank 0 did not return from a checkpoint within 10 s (learner.step_timeout_s"
     )
     assert run.latest_checkpoint() is None
-    assert seconds < 300  # the limit, then the stop: not the hour
 
 
 def test_four_learner_ranks_at_zero_2_checkpoint_and_resume(tmp_path, ray_local):

@@ -39,7 +39,7 @@ def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_loc
     started = time.monotonic()
     with pytest.raises(TimeoutError) as raised:
         wait_started({"learner ranks": [placed], "rollout workers": [unplaceable]}, timeout_s=2)
-    assert 2 <= time.monotonic() - started < 30  # the limit, not a hang
+    assert time.monotonic() - started >= 2  # it waited the limit (a hang: the test's timeout)
     message = str(raised.value)
     assert message.startswith("1 of 1 rollout workers did not start within 2 s "
                               "(run.start_timeout_s); the cluster has {")  # fmt: skip
@@ -54,10 +54,9 @@ def test_a_constructor_that_raises_ends_the_start_at_once(ray_local):
 
     slow = [ray.remote(Role).options(num_cpus=0).remote(3600.0) for _ in range(2)]
     failing = ray.remote(Role).options(num_cpus=0).remote(0.2, "no model at /models/x")
-    started = time.monotonic()
     with pytest.raises(ActorStartError, match=r"^one of the learner ranks failed to start: "
                        r"ValueError: no model at /models/x$"):  # fmt: skip
         wait_started({"rollout workers": slow, "learner ranks": [failing]}, timeout_s=300)
-    assert time.monotonic() - started < 120  # not after the slow ones' hour (killed below)
+    # at once: waiting on the slow ones would have ended in a TimeoutError after 300 s
     for actor in (*slow, failing):
         ray.kill(actor)

@@ -31,15 +31,15 @@ def assert_on_policy_and_reconciled(summary, records, steps):
         assert r["ratio_max"] == pytest.approx(1.0, abs=1e-4), r["step"]
 
 
-def ipc_files() -> set[str]:
-    """The weight files sync.method ipc keeps in /dev/shm (any run's: compare before/after)."""
-    return {p for p in os.listdir("/dev/shm") if p.startswith("staleflow-ipc-")}
+def ipc_files(run) -> set[str]:
+    """The weight files sync.method ipc keeps in /dev/shm for this run (named by its key: the
+    other test process may run another ipc run meanwhile)."""
+    return {p for p in os.listdir("/dev/shm") if p.startswith(f"staleflow-ipc-{run.key}-")}
 
 
 @pytest.mark.parametrize("method", ["gloo", "ipc", "checkpoint"])
 def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, method):
     steps = 4
-    shm_before = ipc_files()
     # the broadcast methods to two engines; the checkpoint method's file needs no second
     one = [ONE_WORKER] if method == "checkpoint" else []
     _cfg, run, summary, records = run_driver(
@@ -48,7 +48,7 @@ def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, metho
     assert_on_policy_and_reconciled(summary, records, steps)
     published = sorted(p.name for p in (run.path / "weights").glob("weights-v*"))
     if method == "ipc":  # learner rank 0 removed its files in /dev/shm at the end
-        assert ipc_files() <= shm_before
+        assert ipc_files(run) == set()
     if method == "checkpoint":  # default directory: <run dir>/weights; on-policy, the
         # driver deleted each version once the next was published (none is needed again)
         assert published == ["weights-v00000004.safetensors"]
@@ -91,14 +91,13 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     args = [
         "run.name=ipc", "sync.method=ipc", "sync.offset=2", "run.checkpoint_every=6", ONE_WORKER,
     ]  # fmt: skip
-    shm_before = ipc_files()
     _cfg, run, summary, records = run_driver(tmp_path, *args, "run.steps=6")
     assert summary["status"] == "completed"
     assert summary["groups"]["reconciled"]
     assert [r["lag_max"] for r in steps_of(records)] == [lag(t, 1, 2) for t in range(1, 7)]
     old = sorted(p.name for p in (run.latest_checkpoint() / "weights").glob("weights-v*"))
     assert old == [f"weights-v0000000{v}.safetensors" for v in (4, 5)]
-    assert ipc_files() <= shm_before
+    assert ipc_files(run) == set()
 
     cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, "run.steps=7"])
     resumed = Driver(cfg, RunDir(run.path), resume=True).run()

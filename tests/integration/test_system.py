@@ -20,7 +20,7 @@ from staleflow.actors.tasks import make_task
 from staleflow.cluster.rundir import read_metrics
 from staleflow.cluster.schedule import ScheduleError, check_schedule, lag, rollout_version
 from staleflow.configs import parse_config
-from tests.integration.procs import staleflow
+from tests.integration.procs import clean_env, staleflow
 from tests.integration.tiny import ONE_WORKER, TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
@@ -470,7 +470,7 @@ def ray_started(tmp_path):
         [ray, "start", "--head", "--block", "--node-ip-address", "127.0.0.2", "--port",
          str(port), "--num-cpus", "4", "--include-dashboard", "false",
          "--disable-usage-stats"],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, RAY_AUTH_MODE="disabled"),
+        stdout=log, stderr=subprocess.STDOUT, env=clean_env(),
     )  # fmt: skip
     try:
         wait_for(

@@ -23,10 +23,29 @@ need_vllm()  # `make test-vllm-cpu` requires it: a broken install fails, not 0 t
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    os.environ["STALEFLOW_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     from staleflow.actors.vllm_engine import VLLMEngine
 
-    return VLLMEngine(str(tiny_dir(seed=0)), dtype="float32", seed=0, max_model_len=256)
+    with pytest.MonkeyPatch.context() as env:  # the tests after this file keep their cache
+        env.setenv("STALEFLOW_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield VLLMEngine(str(tiny_dir(seed=0)), dtype="float32", seed=0, max_model_len=256)
+
+
+@pytest.fixture(autouse=True)
+def _seed_0_engine(request):
+    """Each test finds the engine as made (seed-0 weights, its own transport), whatever the
+    test before it loaded or set: the tests do not depend on their order."""
+    if "engine" not in request.fixturenames:
+        yield
+        return
+    engine = request.getfixturevalue("engine")
+    kept = (engine.bucket_bytes, engine.weight_transport, engine.shm_dir)
+    version = engine.version
+    yield
+    if (engine.bucket_bytes, engine.weight_transport, engine.shm_dir) != kept:
+        engine.bucket_bytes, engine.weight_transport, engine.shm_dir = kept
+    if engine.version != version:
+        model, _ = tiny_model(seed=0)
+        engine.load_weights({n: t.detach().numpy() for n, t in model.state_dict().items()}, 0)
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
@@ -55,7 +74,6 @@ def assert_samples_from(model, batch, out) -> None:
 def test_the_default_weight_transport_follows_vllms_mode(engine):
     # auto: a file in /dev/shm when vLLM's worker is another process, the RPC itself when it
     # is this one (a plain call, as fast as the file there and needing no /dev/shm space)
-    import os
 
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     assert engine.weight_transport == ("rpc" if in_process else "shm")
@@ -146,7 +164,6 @@ def test_a_shared_update_reaches_the_engines_process(engine, tmp_path):
     # with vLLM's engine core in a process of its own, CUDA IPC handles to buffers this
     # process holds (a process cannot open its own handles, so vLLM's in-process mode gets
     # the files there too)
-    import os
 
     from staleflow.learner.ipc import WeightSharer
 
