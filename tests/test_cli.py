@@ -561,6 +561,8 @@ def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
     assert "Traceback" not in out.stderr
     run.status.write_text(json.dumps({"state": "running", "driver": {}}))  # no host, no pid
     out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "0")
+    assert out.returncode == 2
+    assert "did not confirm 3 workers within 0 s; the request stays in" in out.stderr
     assert "Traceback" not in out.stderr
     for damaged in ('{"status": "compl', "[]", '{"groups": 3}'):  # torn; no object; odd
         run.summary.write_text(damaged)
@@ -645,10 +647,11 @@ def test_custom_resources_without_a_cluster_to_join_are_refused_before_ray(tmp_p
     assert not (tmp_path / "r").exists()
 
 
-def test_train_workers_flag_below_one_is_named_as_the_flag():
-    out = staleflow("train", "configs/tiny.yaml", "--workers", "0")
+def test_train_workers_flag_below_one_is_named_as_the_flag(tmp_path):
+    out = staleflow("train", "configs/tiny.yaml", "--workers", "0", f"run.output_dir={tmp_path}")
     assert out.returncode == 2
     assert "--workers must be at least 1, got 0" in out.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_model_directory_is_not_taken_for_a_run_directory(tmp_path):
