@@ -38,13 +38,17 @@ class HFEngine:
         self.tokenizer = tokenizer
         self._version = version
         self.eos_id = int(tokenizer.eos_token_id)
+        # Every id that ends a turn: the tokenizer's eos and the model's generation config's
+        # (Llama 3 Instruct ends turns with <|eot_id|>, not its tokenizer's eos), as vLLM does.
+        self.eos_ids = _end_ids(self.eos_id, getattr(model, "generation_config", None))
         self.pad_id = int(
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         )
         # A neutral base: only what we set below shapes the distribution.
         self.model.generation_config = GenerationConfig(
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id, bos_token_id=tokenizer.bos_token_id
-        )
+            eos_token_id=self.eos_ids, pad_token_id=self.pad_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )  # fmt: skip
         self._params = dict(model.state_dict(keep_vars=True))
         self._sync_group: Any = None
 
@@ -67,6 +71,7 @@ class HFEngine:
         from transformers import (
             GenerationConfig,
             LogitsProcessorList,
+            StoppingCriteriaList,
             TemperatureLogitsWarper,
             TopKLogitsWarper,
             TopPLogitsWarper,
@@ -96,10 +101,10 @@ class HFEngine:
             **neutral,
             max_new_tokens=sampling.max_new_tokens,
             num_return_sequences=1 if greedy else n,  # greedy samples are all the same
-            eos_token_id=self.eos_id,
+            eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
-            stop_strings=list(sampling.stop) or None,
         )
+        ends = _Ends(input_ids.shape[1], self.eos_ids, sampling.stop, self.tokenizer)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         with torch.inference_mode():
@@ -108,13 +113,14 @@ class HFEngine:
                 attention_mask=attention_mask,
                 generation_config=config,
                 logits_processor=LogitsProcessorList(processors),
-                tokenizer=self.tokenizer if sampling.stop else None,
+                stopping_criteria=StoppingCriteriaList([ends]),
             )
         new_tokens = out[:, input_ids.shape[1] :]
         logprobs = recorder.finish(new_tokens).cpu().numpy()
         tokens = new_tokens.cpu().numpy().astype(np.int32)
         completions = [
-            self._completion(t, lp, sampling) for t, lp in zip(tokens, logprobs, strict=True)
+            self._completion(t, lp, end)
+            for t, lp, end in zip(tokens, logprobs, ends.rows(len(tokens)), strict=True)
         ]
         if greedy:
             return [[c] * n for c in completions]
@@ -179,45 +185,66 @@ class HFEngine:
             mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    def _completion(
-        self, tokens: np.ndarray, logprobs: np.ndarray, sampling: SamplingParams
-    ) -> Completion:
-        """Cut a row where generation really ended: its first eos (kept), or where a stop
-        string first completes, whichever is earlier; else it ran to max_new_tokens. (The pad
-        token can equal eos, so padding after a stop string must not be read as an eos.)"""
-        end, reason = len(tokens), "length"
-        eos = np.flatnonzero(tokens == self.eos_id)
-        if len(eos):
-            end, reason = int(eos[0]) + 1, "stop"
-        if sampling.stop:
-            cut = self._stop_string_end(tokens[:end], sampling.stop)
-            if cut is not None:
-                end, reason = cut, "stop"
-        kept = tokens[:end]
+    def _completion(self, tokens: np.ndarray, logprobs: np.ndarray, end: int | None) -> Completion:
+        """A row cut where `_Ends` saw it end (its first end-of-turn token, kept, or the token
+        that completed a stop string); None: it ran to max_new_tokens. What generate put
+        after the end is padding, never read as tokens (the pad id can be eos)."""
+        reason = "length" if end is None else "stop"
+        kept = tokens if end is None else tokens[:end]
         return Completion(
             token_ids=kept.copy(),
-            logprobs=logprobs[:end].astype(np.float32),
+            logprobs=logprobs[: len(kept)].astype(np.float32),
             finish_reason=reason,
             text=self.tokenizer.decode(kept, skip_special_tokens=True),
         )
 
-    def _stop_string_end(self, tokens: np.ndarray, stop: Sequence[str]) -> int | None:
-        """Smallest prefix length whose text contains a stop string (binary search)."""
 
-        def has_stop(length: int) -> bool:
-            text = self.tokenizer.decode(tokens[:length], skip_special_tokens=True)
-            return any(s in text for s in stop)
+def _end_ids(eos_id: int, generation_config: Any) -> list[int]:
+    """The tokenizer's eos first, then the other end ids the model's generation config names."""
+    ids = [eos_id]
+    configured = getattr(generation_config, "eos_token_id", None)
+    for i in configured if isinstance(configured, list | tuple) else [configured]:
+        if isinstance(i, int) and i >= 0 and i not in ids:
+            ids.append(i)
+    return ids
 
-        if not len(tokens) or not has_stop(len(tokens)):
-            return None
-        lo, hi = 1, len(tokens)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if has_stop(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+
+class _Ends:
+    """Stopping criterion that sees only what each row generated, and records where it ended.
+
+    transformers' own stop strings match the prompt's text too: with a prompt ending in
+    "assistant\n" and stop "\n\n", a first token "\n" ended the row although its response
+    holds no stop string, and the row's padding was then taken for generated tokens (as an
+    eos where pad = eos). Here a row ends at its first end-of-turn token or when its
+    generated text first contains a stop string, and `rows` says at which step."""
+
+    def __init__(self, width: int, eos_ids: Sequence[int], stop: Sequence[str], tokenizer: Any):
+        self.width = width  # generated tokens start here in every row (left padding)
+        self.eos_ids = list(eos_ids)
+        self.stop = tuple(stop)
+        self.tokenizer = tokenizer
+        # a stop string of c characters spans at most 4c byte-level tokens: decode only those
+        self.window = 4 * max((len(s) for s in self.stop), default=0) + 4
+        self.end: dict[int, int] = {}  # row -> tokens kept
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        steps = input_ids.shape[1] - self.width
+        # one copy to the host a step (not a device sync per row)
+        tails = input_ids[:, max(self.width, input_ids.shape[1] - self.window) :].tolist()
+        for row, tail in enumerate(tails):
+            if row in self.end:
+                continue
+            if tail[-1] in self.eos_ids:
+                self.end[row] = steps
+            elif self.stop:
+                text = self.tokenizer.decode(tail, skip_special_tokens=True)
+                if any(s in text for s in self.stop):
+                    self.end[row] = steps
+        done = [row in self.end for row in range(len(tails))]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+    def rows(self, n: int) -> list[int | None]:
+        return [self.end.get(row) for row in range(n)]
 
 
 class _LogprobRecorder:

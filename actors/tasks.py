@@ -61,6 +61,9 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
+EXTRACTED_CHARS = 256  # of a score's extracted answer kept with the response
+
+
 @dataclass(frozen=True)
 class Score:
     """A reward, whether an answer could be read from the text at all, and what was read."""
@@ -70,6 +73,15 @@ class Score:
     extracted: str | None = None
     error: str | None = None  # the reward function raised: its traceback (reward is 0)
     correct: bool | None = None  # for held-out accuracy; None: reward >= 1
+
+    def metadata(self) -> dict[str, Any]:
+        """What a response record keeps of the score. `extracted` is cut to EXTRACTED_CHARS:
+        a reasoning-gym answer is the response's whole last line, and one over the buffer's
+        4096-character limit failed the batch's push, on every redo (the same seeds)."""
+        extracted = self.extracted
+        if extracted is not None and len(extracted) > EXTRACTED_CHARS:
+            extracted = extracted[: EXTRACTED_CHARS - 1] + "\u2026"
+        return {"parsed": self.parsed, "extracted": extracted}
 
     @property
     def is_correct(self) -> bool:
@@ -134,14 +146,14 @@ def _canonical(value: Any) -> Any:
 # ----------------------------------------------------------------------------- answers
 
 # A comma is read only as a thousands separator (1,234,567): "(3,4)" holds the numbers 3 and
-# 4, not 34, and "12,5" holds 12 and 5.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+# 4, not 34, and "12,5" holds 12 and 5. A minus sign counts only where it cannot be a hyphen
+# or a subtraction: "3-5" and "step-2" end in 5 and 2, not -5 and -2. ".5" is 0.5.
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)")
 
 
 def extract_final_number(text: str) -> float | None:
     """The last number in `text` ("12.0", "-3", "1,234", full-width digits), or None."""
-    normalised = unicodedata.normalize("NFKC", text).replace("\u2212", "-")
-    matches = _NUMBER.findall(normalised)
+    matches = _NUMBER.findall(_normalise_number_text(text))
     for raw in reversed(matches):
         try:
             value = float(raw.replace(",", ""))
@@ -150,6 +162,11 @@ def extract_final_number(text: str) -> float | None:
         if math.isfinite(value):
             return value
     return None
+
+
+def _normalise_number_text(text: str) -> str:
+    """Full-width digits as ASCII, the unicode minus as '-'."""
+    return unicodedata.normalize("NFKC", text).replace("\u2212", "-")
 
 
 def _numbers_equal(value: float | None, reference: float) -> bool:
@@ -177,6 +194,16 @@ def _split_by_hash(
     held_out = [_in_eval_split(p.text, fraction) for p in prompts]
     train = [p for p, h in zip(prompts, held_out, strict=True) if not h]
     return train, [p for p, h in zip(prompts, held_out, strict=True) if h]
+
+
+def _no_training(path: str, n: int, split: bool, what: str) -> str:
+    """Why a task file gave nothing to train on: empty, or every line held out by the hash."""
+    if not n or not split:
+        return f"{path}: no training {what} (the file has none)"
+    return (
+        f"{path}: all {n} {what} fell into the held-out split (task.eval_fraction holds out "
+        "a share chosen by a hash of each text): add more, or lower task.eval_fraction"
+    )
 
 
 def _shuffled_epochs(prompts: list[Prompt], seed: int) -> Iterator[Prompt]:
@@ -325,10 +352,19 @@ class GSM8KTask:
         if eval_path is not None:
             self.train = rows
             self.eval = _read_gsm8k(Path(eval_path))
+            trained = {p.text.strip() for p in rows}
+            both = [p for p in self.eval if p.text.strip() in trained]
+            if both:  # held-out accuracy would be (partly) training accuracy
+                raise TaskError(
+                    f"{eval_path}: {len(both)} of its {len(self.eval)} questions are also in "
+                    f"{path} (the first at {both[0].prompt_id}): the held-out set must not be "
+                    "trained on; remove them from one file, or leave task.eval_path unset to "
+                    "hold out task.eval_fraction of task.path"
+                )
         else:  # hold out a fraction by a hash of the question
             self.train, self.eval = _split_by_hash(rows, eval_fraction)
         if not self.train:
-            raise TaskError(f"{path}: no training problems")
+            raise TaskError(_no_training(path, len(rows), eval_path is None, "problems"))
 
     def train_prompts(self) -> Iterator[Prompt]:
         return _shuffled_epochs(self.train, self.seed)
@@ -357,9 +393,14 @@ def _read_gsm8k(path: Path) -> list[Prompt]:
             )
         if not question.strip():
             raise TaskError(f"{path}:{line_no}: the question is empty")
-        final = extract_final_number(answer.rsplit("####", 1)[1])
-        if final is None:
-            raise TaskError(f"{path}:{line_no}: no number after '####' in the answer")
+        reference = answer.rsplit("####", 1)[1].strip()
+        final = extract_final_number(reference)
+        if final is None or not _NUMBER.fullmatch(_normalise_number_text(reference)):
+            # "#### 1/2" read as 2 (then "3/2" scored right), "#### 5 apples, 6 pears" as 6
+            raise TaskError(
+                f"{path}:{line_no}: the answer after '####' must be one number (e.g. "
+                f"'#### 1,234' or '#### -0.5'), got {reference[:40]!r}"
+            )
         rows.append(
             Prompt(
                 prompt_id=f"gsm8k:{path.name}:{line_no}", text=question, answer=format_number(final)
@@ -483,7 +524,7 @@ class CustomTask:
             prompts.append(Prompt(f"custom:{line_no}", text, answer, metadata=obj))
         self.train, self.eval = _split_by_hash(prompts, eval_fraction)
         if not self.train:
-            raise TaskError(f"{path}: no training prompts")
+            raise TaskError(_no_training(path, len(prompts), True, "prompts"))
 
     def train_prompts(self) -> Iterator[Prompt]:
         return _shuffled_epochs(self.train, self.seed)

@@ -289,7 +289,8 @@ class VLLMEngine:
                     ],
                     dtype=np.float32,
                 )
-                reason = "length" if c.finish_reason == "length" else "stop"
+                # eos or a stop string, max_tokens, or cut short (vLLM's own words)
+                reason = c.finish_reason if c.finish_reason in ("length", "abort") else "stop"
                 row.append(Completion(tokens, logprobs, reason, c.text))
             result.append(row)
         return result

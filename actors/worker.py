@@ -257,7 +257,7 @@ class RolloutWorker:
                         finish_reason=c.finish_reason
                         if c.finish_reason in FINISH_REASONS
                         else "stop",
-                        metadata={"parsed": score.parsed, "extracted": score.extracted},
+                        metadata=score.metadata(),
                     )
                 )
             groups.append(

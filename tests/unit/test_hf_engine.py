@@ -139,6 +139,40 @@ def test_stop_strings_end_generation(engine):
     assert hits > 0
 
 
+def test_a_stop_string_is_looked_for_in_the_response_only(engine):
+    # The tiny model answers "......" greedily to a prompt ending in "." (token 15). The
+    # stop string ".." is first whole in the response at its second token. transformers' own
+    # stop strings also matched the prompt's last "." with the first token: the row ended
+    # there, and its padding (id 1) was returned as 5 generated tokens, reason "length".
+    from staleflow.actors.models import prompt_ids
+
+    (prompt,) = prompt_ids(engine.tokenizer, ["What is 3 + 4? Answer with just the number."],
+                           False)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_new_tokens=6)
+    ((free,),) = engine.generate([prompt], 1, greedy)
+    assert free.token_ids.tolist() == [15] * 6  # "......"
+    ((c,),) = engine.generate([prompt], 1, SamplingParams(0, max_new_tokens=6, stop=("..",)))
+    assert c.token_ids.tolist() == [15, 15]
+    assert c.text == ".."
+    assert c.finish_reason == "stop"
+    np.testing.assert_array_equal(c.logprobs, free.logprobs[:2])
+
+
+def test_every_end_of_turn_id_of_the_generation_config_ends_a_row():
+    # Llama 3 Instruct's turns end with <|eot_id|>, one of the eos ids its generation config
+    # lists, not its tokenizer's eos: the engine generated past it to max_new_tokens. Here
+    # the tiny model's "." (15) is made an end id: the greedy "......" ends at the first.
+    from staleflow.actors.models import prompt_ids
+
+    model, tokenizer = tiny_model(seed=0)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, 15]
+    engine = HFEngine(model, tokenizer)
+    (prompt,) = prompt_ids(tokenizer, ["What is 3 + 4? Answer with just the number."], False)
+    ((c,),) = engine.generate([prompt], 1, SamplingParams(temperature=0, max_new_tokens=6))
+    assert c.token_ids.tolist() == [15]  # kept, as an eos is
+    assert c.finish_reason == "stop"
+
+
 def test_load_weights_changes_outputs_and_version(engine):
     # (a random tiny GPT-2 decodes greedily by repeating its last input token whatever its
     # weights, so compare the sampled tokens and their log-probs)

@@ -43,6 +43,12 @@ from staleflow.configs import ConfigError, parse_config
         ("1,234,567.5 in all", 1234567.5),
         ("1,23", 23.0),
         ("\U0001f600 42 \u00e9", 42.0),
+        # a hyphen or a subtraction is no minus sign; a leading decimal point is one
+        ("3-5", 5.0),
+        ("answer: 42 ... step-2 done", 2.0),
+        ("x = -2", -2.0),
+        ("(-4)", -4.0),
+        ("The answer is .5", 0.5),
     ],
 )
 def test_extract_final_number(text, expected):
@@ -252,7 +258,13 @@ def test_gsm8k_reads_local_jsonl_and_scores_final_numbers(tmp_path):
     [
         (['{"question": "q", "answer": "#### 1"}', "{not json"], r"train.jsonl:2: not valid JSON"),
         ([{"question": "q", "answer": "no marker"}], r"train.jsonl:1: needs .*'#### <number>'"),
-        ([{"question": "q", "answer": "#### many"}], r"train.jsonl:1: no number after"),
+        (
+            [{"question": "q", "answer": "#### many"}],
+            r"train.jsonl:1: the answer after '####' must be one number .* got 'many'",
+        ),
+        # read as the last number, these made a wrong answer right ("3/2" scored 1 for 1/2)
+        ([{"question": "q", "answer": "#### 1/2"}], r"must be one number .* got '1/2'"),
+        ([{"question": "q", "answer": "#### 5 apples, 6 pears"}], r"got '5 apples, 6 pears'"),
         (['{"question": "q \\ud83d", "answer": "#### 1"}'], r"train.jsonl:1: .*'\\ud83d', half"),
     ],
 )
@@ -398,3 +410,49 @@ def test_the_prompt_stream_digest_sees_every_field_and_only_the_fields():
     assert empty.take(3) == []
     assert empty.taken == 0
     assert empty.digest != s1.digest
+
+
+def test_a_gsm8k_eval_file_that_repeats_training_questions_is_refused(tmp_path):
+    # the held-out accuracy of such a run is (partly) training accuracy, and said nothing
+    train = write_jsonl(
+        tmp_path / "train.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(5)]
+    )
+    held = write_jsonl(
+        tmp_path / "test.jsonl", [{"question": q, "answer": "#### 1"} for q in ("New one", " Q3 ")]
+    )
+    with pytest.raises(TaskError, match=r"test.jsonl: 1 of its 2 questions are also in "
+                       r".*train.jsonl \(the first at gsm8k:test.jsonl:2\)"):  # fmt: skip
+        GSM8KTask(str(train), eval_path=str(held))
+    write_jsonl(held, [{"question": "New one", "answer": "#### 1"}])
+    assert [p.text for p in GSM8KTask(str(train), eval_path=str(held)).eval] == ["New one"]
+
+
+def test_a_long_extracted_answer_is_cut_to_fit_the_record():
+    # a reasoning-gym answer is the response's whole last line: one over the buffer's
+    # 4096-character limit failed the batch's push on every redo
+    from staleflow.actors.tasks import EXTRACTED_CHARS, Score
+    from staleflow.buffer.codec import encode
+    from staleflow.buffer.records import Group, Response
+
+    meta = Score(1.0, parsed=True, extracted="9" * 5000).metadata()
+    assert meta["parsed"] is True
+    assert meta["extracted"] == "9" * (EXTRACTED_CHARS - 1) + "\u2026"
+    assert Score(0.0, parsed=True, extracted="42").metadata()["extracted"] == "42"
+    group = Group.new(run_id="r", prompt_id="p", task="t", prompt_token_ids=[1],
+                      responses=[Response([4], [-0.1], 1.0, metadata=meta)], policy_version=0,
+                      worker_id="w")  # fmt: skip
+    assert encode(group)
+
+
+def test_a_file_whose_every_prompt_is_held_out_says_so(tmp_path):
+    # it said "no training prompts" of a file that has one
+    from staleflow.actors.tasks import _in_eval_split
+
+    text = next(t for t in (f"question {i}" for i in range(200)) if _in_eval_split(t, 0.5))
+    path = write_jsonl(tmp_path / "c.jsonl", [{"prompt": text}])
+    with pytest.raises(TaskError, match=r"c.jsonl: all 1 prompts fell into the held-out split "
+                       r".*lower task.eval_fraction"):  # fmt: skip
+        CustomTask(str(path), "tests.integration.rewards:length", eval_fraction=0.5)
+    write_jsonl(path, [])
+    with pytest.raises(TaskError, match=r"c.jsonl: no training prompts \(the file has none\)"):
+        CustomTask(str(path), "tests.integration.rewards:length", eval_fraction=0.5)
