@@ -185,6 +185,19 @@ class CheckpointMixin:
             recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
         except LearnerFailed as exc:
             raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
+        stats = self.buffer.stats()  # (the load acked the checkpoint's groups if not yet)
+        if stats.acked < r.counts.trained or (stats.pushed == 0 < r.flow.pushed):
+            # an empty or another buffer: the groups pushed and not yet trained are gone, and
+            # a run that waits for them would wait for ever
+            raise ResumeError(
+                f"the replay buffer has {stats.pushed} groups pushed and {stats.acked} "
+                f"trainings acknowledged, but {r.checkpoint or 'the run'} counts "
+                f"{r.flow.pushed} pushed and {r.counts.trained} trained: this is not the "
+                "run's buffer, or it lost its data (an embedded Redis whose files were "
+                "removed or a run with buffer.persistence: false; an external Redis restarted "
+                "without persistence, flushed, or another buffer.redis_url). Resume against "
+                "the run's own buffer, or start a new run"
+            )
         r.cut_metrics(self.rundir)  # the records of what is trained again
         # TensorBoard hides the earlier run's steps from the first one trained again
         self.metrics.reopen(self.cfg.run.tensorboard, purge_step=r.step + 1)

@@ -719,6 +719,20 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     run.mark_latest_checkpoint(run.checkpoints / "step-000002")
     refused("the buffer has acknowledged 8 trainings, but", "step-000002 counts 4")
 
+    # a buffer that lost its data (here the embedded server's files are gone; a Redis
+    # restarted empty alike): the groups pushed and not trained were gone, and the resumed
+    # run went on with counts that no buffer held
+    import shutil
+
+    from staleflow.buffer.server import redis_dir
+
+    run.mark_latest_checkpoint(ckpt)
+    shutil.rmtree(redis_dir(run.path))
+    refused(
+        "the replay buffer has 0 groups pushed and 0 trainings acknowledged, but",
+        "counts 8 pushed and 8 trained: this is not the run's buffer, or it lost its data",
+    )
+
 
 def test_a_resume_refuses_a_task_file_edited_since_its_checkpoint(tmp_path, ray_local):
     # An edited task file used to be read as it was now: the resumed run redid its batches
