@@ -12,6 +12,7 @@ pending, and re-reading this consumer's own pending list after a read's reply wa
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -40,7 +41,8 @@ __all__ = ["Consumer", "Sampling"]
 
 Sampling = Literal["fifo", "freshest", "replay"]
 # A taken entry: (entry id, policy version, its fields, handed out as a replay)
-_Entry = tuple[str, int, dict[bytes, bytes], bool]
+# (entry id, version, fields, replay: False, or a replay's take token)
+_Entry = tuple[str, int, dict[bytes, bytes], "bool | str"]
 
 
 class Consumer:
@@ -81,6 +83,7 @@ class Consumer:
         # Entries this consumer handed out and has not acked: still pending under its name in
         # Redis, so XAUTOCLAIM would return them to it; they must not be handed out twice.
         self._held: set[str] = set()
+        self._held_replays: set[str] = set()  # replays handed out, not acked yet
         self._last_claim = 0.0
         self._group_ready = False
         # A read (the take's own or a read-ahead) whose reply was lost: its entries are pending
@@ -164,11 +167,14 @@ class Consumer:
                         "policy_version", f"{group.policy_version} but the entry says {version}"
                     )
             except RecordError as exc:
-                bad.append((entry_id, replay, str(exc)))
+                bad.append((entry_id, bool(replay), str(exc)))
                 self._held.discard(entry_id)  # dropped, not handed out
                 continue
             groups.append(group)
-            receipts.append(Receipt(entry_id, version, replay))
+            if replay:
+                self._held_replays.add(entry_id)
+            token = replay if isinstance(replay, str) else ""
+            receipts.append(Receipt(entry_id, version, bool(replay), token))
         return groups, receipts, bad
 
     def _select(self, k: int) -> list[str]:
@@ -240,6 +246,7 @@ class Consumer:
         the consumer group again at the next take."""
         self._pool.clear()
         self._held.clear()
+        self._held_replays.clear()
         self._lost_read = False
         self._group_ready = False
 
@@ -249,7 +256,7 @@ class Consumer:
         args: list[Any] = [GROUP_NAME, self.max_reuse, "1" if held else "0"]
         args.append(next(self._ack_tokens))
         for r in receipts:
-            args += [r.entry_id, r.policy_version, "1" if r.replay else "0"]
+            args += [r.entry_id, r.policy_version, (r.token or "1") if r.replay else "0"]
         return args if len(args) > 4 else None
 
     def _ack_keys_for(self, args: list[Any]) -> list[str]:
@@ -267,6 +274,7 @@ class Consumer:
         """After scripts.ACK ran: its receipts are no longer held here; how many it acked."""
         for i in range(4, len(args), 3):
             self._held.discard(args[i])
+            self._held_replays.discard(args[i])
         return int(result)
 
     # ------------------------------------------------------------------------- the pool
@@ -312,9 +320,9 @@ class Consumer:
             if text(start) == "0-0":
                 break
         if self.sampling == "replay":
-            self._replay_reclaim(
+            self._replay_reclaim(  # not the replays this consumer holds for its checkpoint
                 keys=[self.keys.replay, self.keys.replay_pending, self.keys.uses],
-                args=[now_ms(), idle_ms],
+                args=[now_ms(), idle_ms, *self._held_replays],
             )
         return count
 
@@ -445,10 +453,13 @@ class Consumer:
         return self._drop_entries([(i, False, "") for i in stale], "stale")
 
     def _take_replays(self, k: int, learner_version: int) -> tuple[list[_Entry], int]:
+        # what REPLAY_TAKE records for each (their receipts carry it): the time, which
+        # REPLAY_RECLAIM reads as a number, and a random part that tells two takes apart
+        token = f"{now_ms()}.{secrets.randbelow(10**6):06d}"
         ids = [
             text(i)
             for i in self._replay_take(
-                keys=[self.keys.replay, self.keys.replay_pending], args=[k, now_ms()]
+                keys=[self.keys.replay, self.keys.replay_pending], args=[k, token]
             )
         ]
         if not ids:
@@ -456,7 +467,8 @@ class Consumer:
         pipe = self.client.pipeline(transaction=False)
         for entry_id in ids:
             pipe.xrange(self.keys.stream, entry_id, entry_id)
-        out, stale = [], []
+        out: list[_Entry] = []
+        stale: list[tuple[str, bool, str]] = []
         for entry_id, rows in zip(ids, pipe.execute(), strict=True):
             if not rows:  # deleted meanwhile; forget it
                 self.client.hdel(self.keys.replay_pending, entry_id)
@@ -465,7 +477,7 @@ class Consumer:
             if self._stale(version, learner_version):
                 stale.append((entry_id, True, ""))
             else:
-                out.append((entry_id, version, fields, True))
+                out.append((entry_id, version, fields, token))
         return out, self._drop_entries(stale, "stale")
 
     def _drop_entries(self, entries: Sequence[tuple[str, bool, str]], reason: str) -> int:

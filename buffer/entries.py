@@ -98,6 +98,9 @@ class Receipt:
     entry_id: str
     policy_version: int
     replay: bool = False
+    # a replay's take, as the buffer recorded it: an ack of this receipt releases the entry
+    # only while it is still out from that take (not once it was acked and taken again)
+    token: str = ""
 
 
 @dataclass(frozen=True)

@@ -101,11 +101,15 @@ return 0
 # Shared by ACK and DROP, whose first five KEYS are stream, stats, uses, replay zset and
 # replay-pending hash, and ARGV[1] the consumer group: take an entry out of its pending state
 # (consumer-group PEL, or replay-pending for a replay). Returns 1 only if it was pending, so
-# acking or dropping twice changes nothing.
+# acking or dropping twice changes nothing. is_replay: '0' (a stream entry), '1' (a replay,
+# whichever take) or a replay's take token (its replay-pending value: released only if that
+# take is the one out, so a resume acking a checkpoint's replay again cannot release the
+# same entry taken again after the checkpoint).
 _RELEASE = """
 local function release(id, is_replay)
-  if is_replay == '1' then return redis.call('HDEL', KEYS[5], id) end
-  return redis.call('XACK', KEYS[1], ARGV[1], id)
+  if is_replay == '0' then return redis.call('XACK', KEYS[1], ARGV[1], id) end
+  if is_replay ~= '1' and redis.call('HGET', KEYS[5], id) ~= is_replay then return 0 end
+  return redis.call('HDEL', KEYS[5], id)
 end
 """
 
@@ -223,13 +227,17 @@ end
 return ids
 """
 
-# KEYS: replay zset, replay-pending hash, uses.  ARGV: now (ms), idle (ms).
+# KEYS: replay zset, replay-pending hash, uses.  ARGV: now (ms), idle (ms), then the ids the
+# calling consumer holds (trained, acked at its next checkpoint: never reclaimed from it).
 # Replays handed to a consumer that never acked them become replayable again.
 REPLAY_RECLAIM = """
 local pending = redis.call('HGETALL', KEYS[2])
+local held = {}
+for i = 3, #ARGV do held[ARGV[i]] = true end
 local n = 0
 for i = 1, #pending, 2 do
-  if tonumber(ARGV[1]) - tonumber(pending[i + 1]) >= tonumber(ARGV[2]) then
+  if not held[pending[i]]
+     and tonumber(ARGV[1]) - tonumber(pending[i + 1]) >= tonumber(ARGV[2]) then
     redis.call('HDEL', KEYS[2], pending[i])
     redis.call('ZADD', KEYS[1], tonumber(redis.call('HGET', KEYS[3], pending[i]) or 0), pending[i])
     n = n + 1

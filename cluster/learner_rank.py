@@ -234,7 +234,7 @@ class LearnerRank:
         previous checkpoint with the groups still in the buffer, a crash after it acks them
         at resume instead of training them again. No step runs between the two calls."""
         held = self.feed.held if self.feed is not None else []
-        acked = [[r.entry_id, r.policy_version, r.replay] for r in held]
+        acked = [[r.entry_id, r.policy_version, r.replay, r.token] for r in held]
         self.learner.save(path, {**extra, "acked": acked} if self.rank == 0 else extra)
 
     def commit(self) -> int:
@@ -251,7 +251,11 @@ class LearnerRank:
             self.trajectories.truncate(step)
         if self.feed is None:
             return 0
-        receipts = [Receipt(str(e), int(v), bool(r)) for e, v, r in extra.get("acked", [])]
+        # [entry, version, replay, take token] ([entry, version, replay] before the token)
+        receipts = [
+            Receipt(str(e), int(v), bool(r), str(t[0]) if t else "")
+            for e, v, r, *t in extra.get("acked", [])
+        ]
         self.feed.buffer.ack(receipts)
         return self.feed.buffer.recover()
 

@@ -1265,3 +1265,47 @@ def test_buffer_arguments_no_take_could_honour_are_refused(redis_url):
         buffer.take(2.5, 0)  # type: ignore[arg-type]
     buffer.push(group())
     assert len(buffer.take(1, 0, timeout_s=float("inf")).groups) == 1  # no limit: it waits
+
+
+def test_a_held_replay_is_not_reclaimed_while_it_waits_for_its_checkpoint(redis_url):
+    # A replay trained and held (acked at the next checkpoint) went back to the replayable
+    # set once claim_idle_s passed, was handed out again, and the checkpoint's ack then
+    # released the second take: trained 3 times with 2 counted, the summary unreconciled.
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3, claim_idle_s=0.4)
+    buffer.push(group(prompt="a"))
+    first = buffer.take(1, 0)
+    buffer.hold(1)
+    assert buffer.ack(first.receipts, held=True) == 1  # checkpoint 1
+    replay = buffer.take(1, 1)  # step 2 trains it as a replay, held until checkpoint 2
+    assert [r.replay for r in replay.receipts] == [True]
+    buffer.hold(1)
+    time.sleep(0.6)  # past claim_idle_s: the next take's reclaim runs
+    buffer.push(group(prompt="b"))
+    later = buffer.take(2, 2, timeout_s=0.3)  # only "b": "a" is still out with step 2
+    assert [g.prompt_id for g in later.groups] == ["b"]
+    assert buffer.ack(replay.receipts, held=True) == 1  # checkpoint 2 releases step 2's take
+    stats = buffer.stats()
+    assert stats.acked == 2  # a's two trainings; b is not acked yet
+    assert int(buffer.client.hget(buffer.keys.uses, replay.receipts[0].entry_id)) == 2
+
+
+def test_a_resume_acking_a_checkpoints_replay_again_does_not_release_a_later_take(redis_url):
+    # A resume acks the groups its checkpoint named again (the checkpoint's commit may not
+    # have run). A replay named there and taken again after the checkpoint was released by
+    # it: a training the resume rolled back counted as done (acked above the checkpoint's
+    # count, and at max_reuse the group was deleted).
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3)
+    buffer.push(group(prompt="a"))
+    assert buffer.ack(buffer.take(1, 0).receipts) == 1  # step 1
+    step_2 = buffer.take(1, 1).receipts  # a replay; the checkpoint at step 2 names it
+    assert buffer.ack(step_2) == 1  # the checkpoint's commit
+    step_3 = buffer.take(1, 2).receipts  # taken again; the learner dies before step 3 ends
+    assert step_3[0].entry_id == step_2[0].entry_id
+    assert step_3[0].token != step_2[0].token
+    resumed = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3)
+    assert resumed.ack(step_2) == 0  # step 3's take is not step 2's
+    assert resumed.stats().acked == 2  # what the checkpoint counts
+    assert resumed.recover() == 0  # (no stream entry was pending)
+    again = resumed.take(1, 2, timeout_s=0.5)  # step 3 is redone with the group
+    assert [g.prompt_id for g in again.groups] == ["a"]
+    assert resumed.ack(again.receipts) == 1
