@@ -88,6 +88,10 @@ class Driver(CheckpointMixin):
         self.stop_requested = False
         self.stop_signal: str | None = None  # the signal that asked for the stop, by name
         self._finishing = False  # in _finish: a stop signal no longer interrupts
+        # in a periodic checkpoint: a second stop signal waits for its end (cut short after
+        # LATEST named it, the stop would have written the same step over it)
+        self._checkpointing = False
+        self._interrupt_after_checkpoint = False
         self.started = time.time()
         self._pool_since, self._pool_size = self.started, 0  # (see clock)
         self.services = Services(self.cfg, self.rundir, self.address)
@@ -440,6 +444,11 @@ class Driver(CheckpointMixin):
             )
             return
         if self.stop_requested:
+            if self._checkpointing:
+                self._interrupt_after_checkpoint = True
+                logger.warning("%s: stopping once the checkpoint being written is complete",
+                               signal.Signals(signum).name)  # fmt: skip
+                return
             raise KeyboardInterrupt
         self.stop_requested = True
         self.stop_signal = signal.Signals(signum).name

@@ -129,6 +129,18 @@ class CheckpointMixin:
     read back, kept here with the rest of what a checkpoint holds."""
 
     def _checkpoint(self: Any, final: bool = False) -> None:
+        """`_write_checkpoint`, which a second stop signal does not cut short: it stops the
+        run once the checkpoint is complete."""
+        self._checkpointing = True
+        try:
+            self._write_checkpoint(final)
+        finally:
+            self._checkpointing = False
+        if self._interrupt_after_checkpoint:
+            self._interrupt_after_checkpoint = False
+            raise KeyboardInterrupt
+
+    def _write_checkpoint(self: Any, final: bool = False) -> None:
         """Checkpoint the learner with the driver's state (`driver_state`), name it in LATEST,
         then ack and count the groups it holds: every step up to this one is durable now.
 

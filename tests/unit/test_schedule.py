@@ -106,12 +106,12 @@ def test_a_checkpoint_no_resume_could_use_is_not_made_with_a_broadcast_sync(capl
             rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
         )  # fmt: skip
 
-    CheckpointMixin._checkpoint(driver("gloo", batches=3))  # batch 4 (v2) not made yet
+    CheckpointMixin._write_checkpoint(driver("gloo", batches=3))  # batch 4 (v2) not made yet
     assert saved == []
     assert "no checkpoint at step 3: batches still to run need weights v[2]" in caplog.text
     for method, batches, final in (("gloo", 4, False), ("gloo", 3, True), ("ray", 3, False)):
         with pytest.raises(StopIteration):  # made: batch 4 done, the run's last, or kept
-            CheckpointMixin._checkpoint(driver(method, batches), final=final)
+            CheckpointMixin._write_checkpoint(driver(method, batches), final=final)
     assert saved == [3, 3, 3]
 
 
@@ -166,3 +166,31 @@ def test_published_versions_nothing_needs_are_freed_also_between_needed_ones():
     assert sorted(driver.published) == [1, 4, 5]  # the evaluation's, the batch's, the newest
     assert sorted(freed) == [2, 3]
     assert driver.flow.published == {1, 4, 5}
+
+
+def test_a_second_stop_signal_during_a_checkpoint_stops_the_run_once_it_is_written():
+    # Raised inside a periodic checkpoint (after LATEST named it, say), the interrupt left
+    # the step unmarked as checkpointed, and the stop wrote the same step over the directory
+    # LATEST named, its acks lost (the commit had run).
+    import signal
+    from types import SimpleNamespace
+
+    from staleflow.cluster.driver import Driver
+    from staleflow.cluster.resume import CheckpointMixin
+
+    written = []
+
+    def write(final):
+        Driver._on_stop_signal(driver, signal.SIGINT, None)  # the second Ctrl-C, mid-write
+        written.append(final)
+
+    driver = SimpleNamespace(
+        _finishing=False, stop_requested=True, _checkpointing=False,
+        _interrupt_after_checkpoint=False, _write_checkpoint=write,
+    )  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        CheckpointMixin._checkpoint(driver)
+    assert written == [False]  # the checkpoint was complete before the stop
+    assert not driver._checkpointing
+    with pytest.raises(KeyboardInterrupt):  # outside a checkpoint it stops at once
+        Driver._on_stop_signal(driver, signal.SIGINT, None)
