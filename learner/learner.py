@@ -94,6 +94,36 @@ def ensure_distributed(
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
 
 
+class _PassClock:
+    """Seconds of forward and backward passes. On CUDA the passes only launch kernels (the
+    loss has no host syncs), so host clocks stopped early and the GPU's time went to
+    whatever synchronised next: CUDA events time the passes themselves, read once at the
+    end. On CPU, the host clock."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.spans: list[tuple[str, Any, Any]] = []
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def add(self, key: str, start: Any, end: Any) -> None:
+        self.spans.append((key, start, end))
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self.cuda and self.spans:
+            self.spans[-1][2].synchronize()  # the last pass is done, and so every one before
+        for key, start, end in self.spans:
+            seconds = start.elapsed_time(end) / 1000 if self.cuda else end - start
+            out[key] = out.get(key, 0.0) + seconds
+        return out
+
+
 def response_logprobs(model: Any, batch: TrainBatch, temperature: float) -> Tensor:
     """[N, L - 1] log pi(target) at `temperature`, for every target position.
 
@@ -299,17 +329,18 @@ class Learner:
             rows = batch.num_sequences
             parts = list(_split(rows, math.ceil(rows / size) if size else 1))
         total = 0.0
+        clock = _PassClock(self.device)
         for i, part in enumerate(parts):
             micro = stand_in if part is None else batch.rows(part)
-            t0 = time.perf_counter()
+            t0 = clock.mark()
             logp, out = self._loss(micro, denominator)
-            t1 = time.perf_counter()
+            t1 = clock.mark()
             self.engine.set_gradient_accumulation_boundary(i == len(parts) - 1)
             # A stand-in's loss times zero: its passes (and their collectives) run, and its
             # gradient adds nothing.
             self.engine.backward(out.loss * (0.0 if part is None else scale))
-            timing["forward_s"] += t1 - t0
-            timing["backward_s"] += time.perf_counter() - t1
+            clock.add("forward_s", t0, t1)
+            clock.add("backward_s", t1, clock.mark())
             if part is None:
                 continue
             total += float(out.loss.detach())
@@ -328,6 +359,8 @@ class Learner:
                 low, high = float(out.metrics["ratio_min"]), float(out.metrics["ratio_max"])
                 extrema["ratio_min"] = min(extrema.get("ratio_min", low), low)
                 extrema["ratio_max"] = max(extrema.get("ratio_max", high), high)
+        for key, seconds in clock.totals().items():
+            timing[key] += seconds
         t2 = time.perf_counter()
         # ZeRO 0 leaves full (already all-reduced) gradients on the parameters: clip them here,
         # which also yields the norm. ZeRO 1-3 partition them: DeepSpeed clips inside step()
@@ -361,6 +394,8 @@ class Learner:
                     f"removing the cause ({_NONFINITE_CAUSES}); at ZeRO 0 such a step is "
                     "skipped"
                 )
+        if self.device.type == "cuda":  # step() only launched the optimizer's kernels
+            torch.cuda.synchronize(self.device)
         timing["step_s"] += time.perf_counter() - t2
         self.optimizer_steps += 1
         return total, norm
