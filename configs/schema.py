@@ -206,7 +206,8 @@ class VLLMConfig(Frozen):
         gt=0.0,
         le=1.0,
         description="Fraction of the GPU's memory this engine may take (weights, KV cache); "
-        "leave room for the learner and other engines sharing the GPU.",
+        "leave room for the learner and other engines sharing the GPU: at most "
+        "rollout.gpus_per_worker when that is a fraction.",
     )
     enforce_eager: bool = Field(
         False, description="Skip CUDA graph capture: faster start, slower decoding."
@@ -307,6 +308,20 @@ class RolloutConfig(Frozen):
     @classmethod
     def _worker_resources(cls, value: dict[str, float]) -> dict[str, float]:
         return _custom_resources(value, "rollout.resources")
+
+    @model_validator(mode="after")
+    def _engine_memory_within_its_share(self) -> RolloutConfig:
+        share, memory = self.gpus_per_worker, self.vllm.gpu_memory_utilization
+        if self.engine == "vllm" and 0 < share < 1 and memory > share + 1e-9:
+            # Ray packs other roles into the rest of the GPU; vLLM takes this fraction of
+            # the whole GPU's memory at start, so the next engine (or the learner) to start
+            # there failed with too little free memory
+            raise ValueError(
+                f"vllm.gpu_memory_utilization {memory} is more of the GPU's memory than the "
+                f"worker's share of the GPU (gpus_per_worker {share}): the roles sharing the "
+                f"GPU would not fit; set rollout.vllm.gpu_memory_utilization to at most {share}"
+            )
+        return self
 
 
 class BufferConfig(Frozen):

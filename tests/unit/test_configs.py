@@ -580,3 +580,18 @@ def test_a_config_as_data_masks_each_password_and_keeps_every_key():
     assert data["buffer"]["redis_url"] == "redis://u:***@h:1/0"
     assert "s3cr" not in json.dumps(data)
     assert data["run"]["output_dir"] == "/a@b"
+
+
+def test_a_vllm_engine_may_not_take_more_gpu_memory_than_its_share_of_the_gpu():
+    # learner 0.5 + two workers at 0.25 passed every check, then the engines asked for 0.5 of
+    # the GPU's memory each (the default) and the second failed to start
+    shared = ["rollout.engine=vllm", "rollout.gpus_per_worker=0.25", "learner.gpus_per_rank=0.5"]
+    with pytest.raises(ConfigError, match=r"vllm.gpu_memory_utilization 0.5 is more of the "
+                       r"GPU's memory than the worker's share .*at most 0.25"):  # fmt: skip
+        parse_config(MINIMAL, shared)
+    cfg = parse_config(MINIMAL, [*shared, "rollout.vllm.gpu_memory_utilization=0.25"])
+    assert cfg.rollout.vllm.gpu_memory_utilization == 0.25
+    whole = parse_config(MINIMAL, ["rollout.engine=vllm", "rollout.gpus_per_worker=1",
+                                "rollout.vllm.gpu_memory_utilization=0.9"])  # fmt: skip
+    assert whole.rollout.vllm.gpu_memory_utilization == 0.9  # a GPU of its own
+    assert parse_config(MINIMAL, ["rollout.gpus_per_worker=0.25"]).rollout.engine == "hf"
