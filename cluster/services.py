@@ -90,14 +90,25 @@ class Services:
         self.pool = WorkerPool(
             cfg, run_id, url, shared=worker_dirs, strategy=self.learner.worker_strategy()
         )
-        for _ in range(cfg.rollout.num_workers):
-            self.pool.add()
+        timeout = cfg.run.start_timeout_s
+        if cfg.rollout.engine == "vllm" and 0 < cfg.rollout.gpus_per_worker < 1:
+            # vLLM sizes its KV cache by the GPU memory that frees or fills while it
+            # profiles: a learner or another engine loading on the same GPU meanwhile is
+            # counted as its own, and its start fails (no memory for the cache blocks, or
+            # its profiling assertion; vllm-project/vllm#55827). Roles that may share a
+            # GPU start one after another: the learner, then each engine.
+            wait_started({"learner ranks": self.learner.ranks}, timeout)
+            for _ in range(cfg.rollout.num_workers):
+                wait_started({"rollout workers": [self.pool.add().handle]}, timeout)
+        else:
+            for _ in range(cfg.rollout.num_workers):
+                self.pool.add()
+            wait_started(
+                {"learner ranks": self.learner.ranks,
+                 "rollout workers": [slot.handle for slot in self.pool.slots]},
+                timeout,
+            )  # fmt: skip
         self.sync = WeightSync(cfg, self.learner, self.pool)
-        wait_started(
-            {"learner ranks": self.learner.ranks,
-             "rollout workers": [slot.handle for slot in self.pool.slots]},
-            cfg.run.start_timeout_s,
-        )  # fmt: skip
         self.placement = {
             "learner_nodes": _nodes_of(self.learner.ranks),
             "rendezvous": "{}:{}".format(*self.learner.master),
