@@ -486,4 +486,5 @@ class Consumer:
         args: list[Any] = [GROUP_NAME, reason]
         for entry_id, replay, error in entries:
             args += [entry_id, "1" if replay else "0", error]
-        return int(self._drop(keys=[*self.keys.entry, self.keys.invalid], args=args))
+        status = self.keys.drop_status(next(self._ack_tokens))  # a resend counts once
+        return int(self._drop(keys=[*self.keys.entry, self.keys.invalid, status], args=args))

@@ -68,6 +68,9 @@ class RunKeys:
     def hold_status(self, token: str) -> str:
         return self.prefix + "hold:" + token
 
+    def drop_status(self, token: str) -> str:
+        return self.prefix + "drop:" + token
+
 
 class Tokens:
     """Names for single calls (a push, an ack) that make a retried call recognisable: a

@@ -185,13 +185,18 @@ end
 return 1
 """
 
-# KEYS: stream, stats, uses, replay zset, replay-pending hash, invalid stream.
-# ARGV: group name, reason ('stale' | 'invalid'), then (entry id, is_replay, error) triples.
+# KEYS: stream, stats, uses, replay zset, replay-pending hash, invalid stream, this drop's
+# status key.  ARGV: group name, reason ('stale' | 'invalid'), then (entry id, is_replay,
+# error) triples.
 # Invalid entries are copied to the invalid stream first: dropped, never lost. Replays (groups
-# already trained) are also counted apart, so that pushed groups still reconcile.
+# already trained) are also counted apart, so that pushed groups still reconcile. As an ack,
+# a drop records its count under its own key: sent again (its reply was lost and the client
+# retried), it returns that count, where it would find nothing pending and say 0.
 DROP = (
     _RELEASE
     + """
+local done = redis.call('GET', KEYS[7])
+if done then return tonumber(done) end
 local n, replays = 0, 0
 for i = 3, #ARGV, 3 do
   local id, rep, err = ARGV[i], ARGV[i + 1], ARGV[i + 2]
@@ -211,6 +216,9 @@ for i = 3, #ARGV, 3 do
 end
 redis.call('HINCRBY', KEYS[2], 'dropped_' .. ARGV[2], n)
 if replays > 0 then redis.call('HINCRBY', KEYS[2], 'replays_dropped_' .. ARGV[2], replays) end
+redis.call('SET', KEYS[7], n, 'EX', """
+    + str(STATUS_TTL_S)
+    + """)
 return n
 """
 )

@@ -1309,3 +1309,23 @@ def test_a_resume_acking_a_checkpoints_replay_again_does_not_release_a_later_tak
     again = resumed.take(1, 2, timeout_s=0.5)  # step 3 is redone with the group
     assert [g.prompt_id for g in again.groups] == ["a"]
     assert resumed.ack(again.receipts) == 1
+
+
+def test_a_drop_sent_again_after_a_lost_reply_counts_once(redis_url, monkeypatch):
+    # redis-py resends a command whose reply was lost; the resent drop found nothing pending
+    # and said 0, so the learner reported fewer drops than the buffer counted (unreconciled)
+    buffer = ReplayBuffer(redis_url, "run", max_staleness=0)
+    buffer.push_many([group(version=0, prompt="a"), group(version=0, prompt="b")])
+    real, sha = buffer.client.execute_command, buffer._consumer._drop.sha
+
+    def drop_sent_twice(*args, **kwargs):  # the server ran it, the reply was lost, resent
+        if args[:2] == ("EVALSHA", sha):
+            real(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(buffer.client, "execute_command", drop_sent_twice)
+    taken = buffer.take(2, learner_version=1, timeout_s=0.2)  # both are stale at version 1
+    monkeypatch.undo()
+    assert taken.groups == []
+    assert taken.dropped_stale == 2
+    assert buffer.stats().dropped_stale == 2
