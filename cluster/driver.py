@@ -184,6 +184,8 @@ class Driver(CheckpointMixin):
         else:
             assert self.resumed is not None
             prompts = self.resumed.prompts_of(batch)
+            # its parts that finished before the stop are redone and report their groups again
+            flow.pushed -= flow.partial.pop(batch, 0)
         weights = self.published[version]
         self.timeline.gap_s += self.rollouts.start(
             slots, batch, weights, prompts, since=self.timeline.last
@@ -307,7 +309,10 @@ class Driver(CheckpointMixin):
         self.timeline.load_s += report.load_s
         if complete:
             del self.flow.running[shard.batch]
+            self.flow.partial.pop(shard.batch, None)
             self.flow.batches_done += 1
+        else:
+            self.flow.partial[shard.batch] = self.flow.partial.get(shard.batch, 0) + report.groups
         self.metrics.write(
             "rollout", self.step, worker=shard.slot.index, batch=shard.batch,
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,

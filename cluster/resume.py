@@ -85,6 +85,7 @@ def driver_state(driver: Any, trained: int) -> dict[str, Any]:
             "batches_done": flow.batches_done,
             "running": {str(b): [v, g] for b, (v, g) in flow.running.items()},
             "pushed": flow.pushed,
+            "partial": {str(b): n for b, n in flow.partial.items()},
             "trained": flow.trained,
             "dropped": flow.dropped,
         },
@@ -522,6 +523,7 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
         flow = Flow(
             steps=f["steps"], batches=f["batches"], batches_done=f["batches_done"],
             pushed=f["pushed"], trained=f["trained"], dropped=f["dropped"],
+            partial={int(b): int(n) for b, n in f.get("partial", {}).items()},  # (newer)
         )  # fmt: skip
         res = Resume(
             path,

@@ -65,7 +65,10 @@ class Flow:
     batches: int = 0  # rollout batches started
     batches_done: int = 0  # ... and finished (every shard pushed)
     running: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch -> (version, groups)
-    pushed: int = 0  # groups pushed by finished batches
+    pushed: int = 0  # groups pushed by finished batches (and finished parts of running ones)
+    # running batch -> groups its finished parts added to `pushed`: a resume redoes the whole
+    # batch, whose parts report those groups again
+    partial: dict[int, int] = field(default_factory=dict)
     trained: int = 0
     dropped: int = 0
 

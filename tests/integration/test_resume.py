@@ -581,6 +581,8 @@ def test_ctrl_c_mid_batch_then_resume_redoes_it_with_its_older_weights(tmp_path,
     assert summary["status"] == "completed"
     assert_reconciled(summary)
     assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 10
+    # the redone batch's parts that finished before the stop were counted twice
+    assert summary["driver_counts"]["pushed_by_finished_batches"] == 10
     records = list(read_metrics(run / "metrics.jsonl"))
     assert [r["redo"] for r in records if r["kind"] == "resume"] == [sorted(map(int, running))]
     steps = steps_of(records)

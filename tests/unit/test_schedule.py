@@ -194,3 +194,43 @@ def test_a_second_stop_signal_during_a_checkpoint_stops_the_run_once_it_is_writt
     assert not driver._checkpointing
     with pytest.raises(KeyboardInterrupt):  # outside a checkpoint it stops at once
         Driver._on_stop_signal(driver, signal.SIGINT, None)
+
+
+def test_a_redone_batch_counts_the_groups_of_its_parts_once():
+    # A lock-step batch split over two workers: one part finished before the stop (its
+    # group counted in flow.pushed), the other did not. The resume redoes the whole batch,
+    # both parts report their groups, and the finished part's was counted twice
+    # (summary.json's pushed_by_finished_batches).
+    from types import SimpleNamespace
+
+    from staleflow.cluster.driver import Driver
+    from staleflow.cluster.ledger import Counts
+    from staleflow.cluster.resume import driver_state
+    from staleflow.cluster.schedule import Flow
+
+    def part_done(complete: bool):
+        shard = SimpleNamespace(batch=3, failed_at=None, slot=SimpleNamespace(index=0))
+        report = SimpleNamespace(groups=1, pushed=1, generate_s=0.0, load_s=0.0,
+                                 policy_version=1, reward_mean=0.0, tokens_per_s=0.0,
+                                 reward_errors=0, node="n")  # fmt: skip
+        driver.rollouts.finished = lambda ref: (shard, report, complete)
+        Driver._on_batch_done(driver, "ref")
+
+    driver = SimpleNamespace(
+        flow=Flow(batches=3, running={3: (1, 2)}), counts=Counts(), step=2, P=2,
+        timeline=SimpleNamespace(load_s=0.0, gap_s=0.0, last=0.0),
+        metrics=SimpleNamespace(write=lambda *a, **k: None), rollouts=SimpleNamespace(),
+        clock=lambda: {}, prompts=SimpleNamespace(taken=6, digest=""), faults=[],
+    )  # fmt: skip
+    part_done(complete=False)  # then the stop: batch 3 is still running at the checkpoint
+    assert (driver.flow.pushed, driver.flow.partial) == (1, {3: 1})
+    assert driver_state(driver, trained=0)["flow"]["partial"] == {"3": 1}
+
+    driver.resumed = SimpleNamespace(prompts_of=lambda batch: ["p1", "p2"])
+    driver.published = {1: "weights v1"}
+    driver.rollouts.start = lambda slots, batch, weights, prompts, since: 0.0
+    Driver._dispatch(driver, ["w0", "w1"], 1, batch=3)  # the resume redoes all of batch 3
+    part_done(complete=False)
+    part_done(complete=True)
+    assert (driver.flow.pushed, driver.flow.partial) == (2, {})  # 3 before: one counted twice
+    assert driver.flow.batches_done == 1
