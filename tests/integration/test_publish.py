@@ -41,6 +41,24 @@ def assert_engine_has(engine: HFEngine, arrays: dict[str, np.ndarray]) -> None:
         np.testing.assert_array_equal(state[name].numpy(), array, err_msg=name)
 
 
+def test_a_tied_output_layer_is_sent_once_and_still_arrives():
+    # The tiny model ties lm_head to the token embedding, as SmolLM2 and Qwen2.5 do: every
+    # update sent the same tensor under both names (vLLM then skipped the second)
+    learner = trained_learner()
+    arrays = learner.state_dict_for_sync()
+    model_names = list(learner.model.state_dict())
+    assert "lm_head.weight" in model_names
+    assert "lm_head.weight" not in arrays
+    assert sorted(arrays) == sorted(n for n in model_names if n != "lm_head.weight")
+    model, tokenizer = tiny_model(seed=4)
+    engine = HFEngine(model, tokenizer)
+    engine.load_weights(arrays, 1)
+    assert_engine_has(engine, arrays)
+    np.testing.assert_array_equal(  # loaded with the embedding it is tied to
+        engine.model.lm_head.weight.detach().numpy(), arrays["transformer.wte.weight"]
+    )
+
+
 def test_bucketize_keeps_order_and_size():
     arrays = {f"p{i}": np.zeros(n, np.float32) for i, n in enumerate([10, 10, 30, 5])}
     assert [list(b) for b in bucketize(arrays, bucket_bytes=100)] == [["p0", "p1"], ["p2"], ["p3"]]
