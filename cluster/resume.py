@@ -54,7 +54,8 @@ STATE_FORMAT = 1
 RESUMABLE = (
     "run.steps", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
     "run.tensorboard", "run.start_timeout_s", "rollout.num_workers", "rollout.max_restarts",
-    "rollout.batch_timeout_s", "buffer.redis_url", "buffer.push_timeout_s",
+    "rollout.batch_timeout_s", "rollout.vllm.gpu_memory_utilization", "buffer.redis_url",
+    "buffer.push_timeout_s",
 )  # fmt: skip
 
 
@@ -135,10 +136,10 @@ class CheckpointMixin:
         self._checkpointing = True
         try:
             self._write_checkpoint(final)
-        finally:
+        finally:  # a failed checkpoint stops the run with its own error, not this signal
             self._checkpointing = False
-        if self._interrupt_after_checkpoint:
-            self._interrupt_after_checkpoint = False
+            interrupt, self._interrupt_after_checkpoint = self._interrupt_after_checkpoint, False
+        if interrupt and not self._finishing:  # (the stop's own checkpoint: stopping anyway)
             raise KeyboardInterrupt
 
     def _write_checkpoint(self: Any, final: bool = False) -> None:

@@ -195,6 +195,20 @@ def test_a_second_stop_signal_during_a_checkpoint_stops_the_run_once_it_is_writt
     with pytest.raises(KeyboardInterrupt):  # outside a checkpoint it stops at once
         Driver._on_stop_signal(driver, signal.SIGINT, None)
 
+    # a checkpoint that fails after the signal stops the run with its own error, and the
+    # stop's own checkpoint later (which would succeed) raises no leftover interrupt
+    def disk_full(final):
+        Driver._on_stop_signal(driver, signal.SIGINT, None)
+        raise OSError(28, "No space left on device")
+
+    driver._write_checkpoint = disk_full
+    with pytest.raises(OSError, match="No space left"):
+        CheckpointMixin._checkpoint(driver)
+    assert not driver._interrupt_after_checkpoint
+    driver._write_checkpoint, driver._finishing = write, True
+    CheckpointMixin._checkpoint(driver, final=True)  # in _finish: no KeyboardInterrupt
+    assert written == [False, True]
+
 
 def test_a_redone_batch_counts_the_groups_of_its_parts_once():
     # A lock-step batch split over two workers: one part finished before the stop (its
