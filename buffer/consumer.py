@@ -83,7 +83,9 @@ class Consumer:
         # Entries this consumer handed out and has not acked: still pending under its name in
         # Redis, so XAUTOCLAIM would return them to it; they must not be handed out twice.
         self._held: set[str] = set()
-        self._held_replays: set[str] = set()  # replays handed out, not acked yet
+        # replays handed out and not acked yet -> their take's token (only an ack of that
+        # take ends it: the id may be acked and taken again meanwhile, by a prefetch)
+        self._held_replays: dict[str, str] = {}
         self._last_claim = 0.0
         self._group_ready = False
         # A read (the take's own or a read-ahead) whose reply was lost: its entries are pending
@@ -171,9 +173,9 @@ class Consumer:
                 self._held.discard(entry_id)  # dropped, not handed out
                 continue
             groups.append(group)
-            if replay:
-                self._held_replays.add(entry_id)
             token = replay if isinstance(replay, str) else ""
+            if replay:
+                self._held_replays[entry_id] = token
             receipts.append(Receipt(entry_id, version, bool(replay), token))
         return groups, receipts, bad
 
@@ -274,7 +276,9 @@ class Consumer:
         """After scripts.ACK ran: its receipts are no longer held here; how many it acked."""
         for i in range(4, len(args), 3):
             self._held.discard(args[i])
-            self._held_replays.discard(args[i])
+            flag = args[i + 2]  # "0", "1" (a replay, any take) or a replay's take token
+            if flag == "1" or (flag != "0" and self._held_replays.get(args[i]) == flag):
+                self._held_replays.pop(args[i], None)
         return int(result)
 
     # ------------------------------------------------------------------------- the pool

@@ -200,7 +200,14 @@ class CheckpointMixin:
         except LearnerFailed as exc:
             raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
         stats = self.buffer.stats()  # (the load acked the checkpoint's groups if not yet)
-        if stats.acked < r.counts.trained or (stats.pushed == 0 < r.flow.pushed):
+        if stats.acked < r.counts.trained:
+            logger.warning(
+                "the buffer counts %d acknowledged trainings, %s counts %d: the summary will "
+                "not reconcile (acks lost with the last second of a Redis that died, or a "
+                "checkpoint whose commit acked fewer than it held)",
+                stats.acked, r.checkpoint, r.counts.trained,
+            )  # fmt: skip
+        if (stats.acked == 0 < r.counts.trained) or (stats.pushed == 0 < r.flow.pushed):
             # an empty or another buffer: the groups pushed and not yet trained are gone, and
             # a run that waits for them would wait for ever
             raise ResumeError(

@@ -1329,3 +1329,21 @@ def test_a_drop_sent_again_after_a_lost_reply_counts_once(redis_url, monkeypatch
     assert taken.groups == []
     assert taken.dropped_stale == 2
     assert buffer.stats().dropped_stale == 2
+
+
+def test_an_ack_ends_only_its_own_takes_hold_of_a_replay(redis_url):
+    # The checkpoint's ack runs while the prefetch thread takes: between the server's ack
+    # and the reply being read, the replay it released can be taken again. Reading the reply
+    # then forgot the id, and the new take lost its protection from the reclaim.
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=5)
+    consumer = buffer._consumer
+    buffer.push(group(prompt="a"))
+    assert buffer.ack(buffer.take(1, 0).receipts) == 1
+    first = buffer.take(1, 1).receipts  # a replay, held for the checkpoint
+    args = consumer._ack_args(first, held=False)
+    result = consumer._run_ack(args)  # the server acked it ...
+    second = buffer.take(1, 2).receipts  # ... the prefetch takes it again ...
+    consumer._acked(args, result)  # ... and then the ack's reply is read
+    assert consumer._held_replays == {second[0].entry_id: second[0].token}
+    assert buffer.ack(second) == 1
+    assert consumer._held_replays == {}
