@@ -31,10 +31,20 @@ __all__ = [
     "as_named_arrays",
     "check_parameter",
     "prompt_seed",
+    "token_stops",
 ]
 
 WeightsUpdate = Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
 """Named arrays: parameter name -> numpy array (bfloat16 may arrive as an int16 view)."""
+
+
+def token_stops(tokenizer: Any, stop: Sequence[str]) -> tuple[tuple[str, ...], list[int]]:
+    """(the stop strings to look for in the text, the token ids to stop at): a stop string
+    that is a special or added token ("<|im_end|>") can never appear in the text, which is
+    decoded without special tokens, so it stops at that token instead (kept, as an eos)."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    ids = [int(added[s]) for s in stop if s in added]
+    return tuple(s for s in stop if s not in added), ids
 
 
 def prompt_seed(seed: int, j: int, n: int) -> int:

@@ -22,6 +22,7 @@ from staleflow.actors.engine import (
     WeightsUpdate,
     as_named_arrays,
     check_parameter,
+    token_stops,
 )
 from staleflow.actors.models import context_of
 
@@ -51,6 +52,7 @@ class HFEngine:
         )  # fmt: skip
         self._params = dict(model.state_dict(keep_vars=True))
         self._sync_group: Any = None
+        self._stop_plans: dict[tuple[str, ...], tuple[tuple[str, ...], list[int], Any]] = {}
 
     @property
     def version(self) -> int:
@@ -104,7 +106,10 @@ class HFEngine:
             eos_token_id=self.eos_ids,
             pad_token_id=self.pad_id,
         )
-        ends = _Ends(input_ids.shape[1], self.eos_ids, sampling.stop, self.tokenizer)
+        texts, stop_ids, candidates = self._stop_plan(sampling.stop)
+        ends = _Ends(
+            input_ids.shape[1], [*self.eos_ids, *stop_ids], texts, self.tokenizer, candidates
+        )
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         with torch.inference_mode():
@@ -185,6 +190,26 @@ class HFEngine:
             mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
+    def _stop_plan(self, stop: tuple[str, ...]) -> tuple[tuple[str, ...], list[int], Any]:
+        """(text stop strings, stop token ids, the token ids that can complete a text stop
+        string), made once per set of stop strings: only a token whose own text holds a stop
+        string's last character (or part of a character) can complete it, so the other
+        steps decode nothing. Decoding every unfinished row every step cost 2-4 ms a step
+        for 256 rows."""
+        plan = self._stop_plans.get(stop)
+        if plan is None:
+            texts, ids = token_stops(self.tokenizer, stop)
+            last = {s[-1] for s in texts}
+            pieces = self.tokenizer.batch_decode(
+                [[i] for i in range(len(self.tokenizer))], skip_special_tokens=True
+            )
+            candidates = frozenset(
+                i for i, piece in enumerate(pieces)
+                if "\ufffd" in piece or any(c in piece for c in last)
+            ) if texts else frozenset()  # fmt: skip
+            plan = self._stop_plans[stop] = (texts, ids, candidates)
+        return plan
+
     def _completion(self, tokens: np.ndarray, logprobs: np.ndarray, end: int | None) -> Completion:
         """A row cut where `_Ends` saw it end (its first end-of-turn token, kept, or the token
         that completed a stop string); None: it ran to max_new_tokens. What generate put
@@ -218,11 +243,20 @@ class _Ends:
     eos where pad = eos). Here a row ends at its first end-of-turn token or when its
     generated text first contains a stop string, and `rows` says at which step."""
 
-    def __init__(self, width: int, eos_ids: Sequence[int], stop: Sequence[str], tokenizer: Any):
+    def __init__(
+        self,
+        width: int,
+        eos_ids: Sequence[int],
+        stop: Sequence[str],
+        tokenizer: Any,
+        candidates: Any = None,
+    ):
         self.width = width  # generated tokens start here in every row (left padding)
-        self.eos_ids = list(eos_ids)
+        self.eos_ids = set(eos_ids)
         self.stop = tuple(stop)
         self.tokenizer = tokenizer
+        # tokens that can complete a stop string (HFEngine._stop_plan); None: any
+        self.candidates = candidates
         # a stop string of c characters spans at most 4c byte-level tokens: decode only those
         self.window = 4 * max((len(s) for s in self.stop), default=0) + 4
         self.end: dict[int, int] = {}  # row -> tokens kept
@@ -236,7 +270,7 @@ class _Ends:
                 continue
             if tail[-1] in self.eos_ids:
                 self.end[row] = steps
-            elif self.stop:
+            elif self.stop and (self.candidates is None or tail[-1] in self.candidates):
                 text = self.tokenizer.decode(tail, skip_special_tokens=True)
                 if any(s in text for s in self.stop):
                     self.end[row] = steps

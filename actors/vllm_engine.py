@@ -32,6 +32,7 @@ from staleflow.actors.engine import (
     as_named_arrays,
     check_parameter,
     prompt_seed,
+    token_stops,
 )
 from staleflow.learner.publish import (
     bucket_nbytes,
@@ -257,13 +258,16 @@ class VLLMEngine:
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.inputs import TokensPrompt
 
+        texts, stop_ids = token_stops(self.tokenizer, sampling.stop)
         common: dict[str, Any] = dict(
             n=n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else -1,
             max_tokens=sampling.max_new_tokens,
-            stop=list(sampling.stop) or None,
+            # a special token named as a stop string stops at that token (as the HF engine)
+            stop=list(texts) or None,
+            stop_token_ids=stop_ids or None,
             logprobs=0,  # just the sampled token's
             include_stop_str_in_output=True,  # as the HF engine: text and tokens agree
         )

@@ -173,6 +173,34 @@ def test_every_end_of_turn_id_of_the_generation_config_ends_a_row():
     assert c.finish_reason == "stop"
 
 
+def test_a_stop_string_that_is_a_special_token_stops_at_that_token(engine):
+    # "<|pad|>" (id 1 here; "<|im_end|>" for a chat model) never appears in the text, which
+    # is decoded without special tokens, so as a stop string it never stopped anything
+    with torch.no_grad():  # make id 1 overwhelmingly likely, as the eos test does
+        engine.model.lm_head.weight.zero_()
+        engine.model.lm_head.weight[1] = 1.0
+        engine.model.transformer.ln_f.bias.fill_(10.0)
+    sampling = SamplingParams(max_new_tokens=6, seed=0, stop=("<|pad|>",))
+    (row,) = engine.generate(prompts(engine, 1), 2, sampling)
+    for c in row:
+        assert c.token_ids.tolist() == [1]  # kept, as an eos is
+        assert c.finish_reason == "stop"
+        assert c.text == ""
+
+
+def test_stop_strings_are_looked_for_only_after_a_token_that_can_end_one(engine):
+    # the plan: text stop strings, token ids, and the ids whose own text holds a stop
+    # string's last character (or part of one): the steps in between decode nothing
+    texts, ids, candidates = engine._stop_plan(("ab", "<|pad|>"))
+    assert (texts, ids) == (("ab",), [1])
+    pieces = {
+        i: engine.tokenizer.decode([i], skip_special_tokens=True)
+        for i in range(len(engine.tokenizer))
+    }
+    assert candidates == {i for i, p in pieces.items() if "b" in p or "\ufffd" in p}
+    assert engine._stop_plan(("ab", "<|pad|>"))[2] is candidates  # made once
+
+
 def test_load_weights_changes_outputs_and_version(engine):
     # (a random tiny GPT-2 decodes greedily by repeating its last input token whatever its
     # weights, so compare the sampled tokens and their log-probs)
