@@ -38,9 +38,10 @@ class Sender:
     def __init__(self, model_name: str, directory: str, device: str) -> None:
         from staleflow.actors.models import load_model
         from staleflow.configs.schema import ModelConfig
+        from staleflow.learner.learner import untied
 
         model, _ = load_model(ModelConfig(preset=model_name), device=device)
-        self.tensors = {k: v.detach() for k, v in model.state_dict().items()}
+        self.tensors = untied(model.state_dict())  # what a run publishes: each tensor once
         self.arrays = {k: v.cpu().numpy() for k, v in self.tensors.items()}
         self.device = device
         self.directory = directory

@@ -33,12 +33,13 @@ def main() -> int:
     from staleflow.actors.models import load_model, smollm2_dir, tiny_dir
     from staleflow.actors.vllm_engine import VLLMEngine
     from staleflow.configs.schema import ModelConfig
+    from staleflow.learner.learner import untied
     from staleflow.learner.publish import host_arrays
 
     cfg = ModelConfig(preset=args.model)
     path = smollm2_dir() if args.model == "smollm2-135m" else tiny_dir(cfg.seed)
     model, _ = load_model(cfg)
-    arrays = host_arrays(model.state_dict())
+    arrays = host_arrays(untied(model.state_dict()))  # what a run publishes: each tensor once
     nbytes = sum(a.nbytes for a in arrays.values())
     engine = VLLMEngine(str(path), dtype="float32", max_model_len=256,
                         gpu_memory_utilization=0.3, enforce_eager=True)  # fmt: skip

@@ -48,7 +48,7 @@ _NONFINITE_CAUSES = (
     "so small exp(A / T) overflows"
 )
 
-__all__ = ["Learner", "ensure_distributed", "response_logprobs"]
+__all__ = ["Learner", "ensure_distributed", "response_logprobs", "untied"]
 
 
 def ensure_distributed(
@@ -458,7 +458,7 @@ class Learner:
         if self.cfg.learner.zero_stage == 3:
             gather = deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()))
         with gather:
-            yield _untied(self.engine.module.state_dict())
+            yield untied(self.engine.module.state_dict())
 
     def state_dict_for_sync(self) -> dict[str, np.ndarray]:
         """The full weights as numpy arrays of their own (bfloat16 as int16 views), for
@@ -469,8 +469,9 @@ class Learner:
             return host_arrays(tensors, copy=True)
 
 
-def _untied(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """`state` detached, without the names whose tensor an earlier name holds already."""
+def untied(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`state` detached, without the names whose tensor an earlier name holds already (a
+    tied output layer): what a run publishes."""
     out: dict[str, Tensor] = {}
     seen: set[tuple[Any, ...]] = set()
     for name, tensor in state.items():
