@@ -148,12 +148,17 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
         ) from None
 
 
+_ANSWERED: set[str] = set()  # addresses check_reachable found answering (this process)
+
+
 def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail at once, naming the address, when nothing accepts a TCP connection at the
     HOST:PORT of `address`, or what does answers in another protocol than gRPC (a Redis, the
     dashboard): ray.init retries such an address for minutes (here, with nothing on a
     loopback port, still retrying after 6 min). 'auto' and anything without a port are left
     to ray.init, and so is a server that says nothing within 2 s."""
+    if address in _ANSWERED:  # the CLI checks before the run directory, start_ray again
+        return
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit() or not host:
         return
@@ -172,6 +177,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
         with sock:
             other = _other_protocol(sock)
         if other is None:
+            _ANSWERED.add(address)
             return
         others.append(f"{candidate}:{port} answers, but not as Ray: {other}")
     if others:
