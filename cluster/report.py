@@ -61,12 +61,16 @@ def write_report(run: RunDir) -> Path:
     run.plots.mkdir(exist_ok=True)
 
     def series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-        rows = [r for r in rows if isinstance(r.get(key), (int, float))]
+        # in step order: evaluations are recorded as they finish, and a retried one (on
+        # another worker) can finish after a later step's (stable: a step's own order stays)
+        rows = sorted((r for r in rows if isinstance(r.get(key), (int, float))),
+                      key=lambda r: r["step"])  # fmt: skip
         return [r["step"] for r in rows], [r[key] for r in rows]
 
     def wall(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-        rows = [r for r in rows if isinstance(r.get(key), int | float)
-                and isinstance(r.get("wall_s"), int | float)]  # fmt: skip
+        rows = sorted((r for r in rows if isinstance(r.get(key), int | float)
+                       and isinstance(r.get("wall_s"), int | float)),
+                      key=lambda r: r["wall_s"])  # fmt: skip
         return [r["wall_s"] / 60 for r in rows], [r[key] for r in rows]
 
     def pair(name: str, rows: list[dict[str, Any]], key: str, ylabel: str) -> None:

@@ -5,7 +5,9 @@ One column per value of the `columns` axis (the sync setting), one line per valu
 Panels: training reward, held-out accuracy, clip fraction and KL(behaviour || policy) against
 the learner step. The summary table gives, per (column, line):
 
-- final: held-out accuracy at the last evaluation (mean over seeds);
+- final: held-out accuracy at each run's last evaluation (mean over seeds); eval_steps_differ
+  marks rows whose runs were evaluated at different steps (the curve and the other columns
+  use the steps they share);
 - auc: the area under the accuracy-vs-step curve divided by its step range (the mean
   accuracy over training, trapezoid rule);
 - steps_to_threshold: the first evaluated step whose mean accuracy reaches `threshold`;
@@ -56,7 +58,9 @@ PANELS = (
 
 
 class Curve:
-    """Mean and min-max band of one (column, line) over the runs it averages."""
+    """Mean and min-max band of one (column, line) over the runs it averages, at the steps
+    every one of them recorded; `last` is each run's own last value, and `differ` says
+    whether the runs recorded different steps (a failed evaluation, another eval_every)."""
 
     def __init__(self, runs: list[list[dict[str, Any]]], kind: str, key: str) -> None:
         per_run = []
@@ -73,29 +77,43 @@ class Curve:
         values = values.reshape(len(per_run), len(common))
         self.steps = np.array(common, dtype=float)
         self.runs = len(per_run)
+        self.last = [p[max(p)] for p in per_run]
+        self.differ = len({frozenset(p) for p in per_run}) > 1
         self.mean = values.mean(axis=0) if self.runs else np.zeros(0)
         self.low = values.min(axis=0) if self.runs else np.zeros(0)
         self.high = values.max(axis=0) if self.runs else np.zeros(0)
 
 
 def summarize(curve: Curve, threshold: float) -> dict[str, Any]:
-    """The table row of one accuracy curve (see the module docstring)."""
-    if curve.runs == 0 or len(curve.steps) == 0:
+    """The table row of one accuracy curve (see the module docstring). `final` is the mean
+    of each run's own last value: at the last common step it was an earlier step's where a
+    run lacked its final evaluation, silently. The rest is read from the common steps;
+    `eval_steps_differ` flags rows whose runs recorded different steps."""
+    if curve.runs == 0:
         return {"runs": 0}
+    final = float(np.mean(curve.last))
+    row: dict[str, Any] = {
+        "runs": curve.runs,
+        "final": final,
+        "final_low": float(min(curve.last)),
+        "final_high": float(max(curve.last)),
+        "eval_steps_differ": curve.differ,
+    }
+    if len(curve.steps) == 0:  # no step in common: no curve to read the rest from
+        return row
     s, m = curve.steps, curve.mean
     span = s[-1] - s[0]
     auc = float(np.sum((m[1:] + m[:-1]) / 2 * np.diff(s)) / span) if span > 0 else float(m[0])
     reached = [int(step) for step, v in zip(s, m, strict=True) if v >= threshold]
-    peak = float(m.max())
-    return {
-        "runs": curve.runs,
-        "initial": float(m[0]),
-        "final": float(m[-1]),
-        "peak": peak,
-        "auc": auc,
-        "steps_to_threshold": reached[0] if reached else None,
-        "collapse": bool(peak - m[-1] > COLLAPSE_DROP),
-    }
+    peak = max(float(m.max()), final)
+    row.update(
+        initial=float(m[0]),
+        peak=peak,
+        auc=auc,
+        steps_to_threshold=reached[0] if reached else None,
+        collapse=bool(peak - final > COLLAPSE_DROP),
+    )
+    return row
 
 
 def _load(directory: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
@@ -157,18 +175,26 @@ def write_sweep_report(directory: str | Path) -> Path:
                 curve = Curve(runs_of(column, line), kind, key)
                 if curve.runs == 0:
                     continue
-                color = colors(i % 10)
-                ax.plot(curve.steps, curve.mean, label=line, color=color, lw=1.4)
+                # tab10 repeats after 10 lines: each further ten get another dash pattern
+                color, dashes = colors(i % 10), ("-", "--", ":", "-.")[i // 10 % 4]
+                ax.plot(curve.steps, curve.mean, label=line, color=color, ls=dashes, lw=1.4)
                 if curve.runs > 1:
                     ax.fill_between(curve.steps, curve.low, curve.high, color=color, alpha=0.15)
             ax.set_title(column)
             ax.set_xlabel("learner step")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(ylabel)
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        if handles:
-            fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8)
-            fig.subplots_adjust(bottom=0.32 if len(labels) > 5 else 0.24)
+        # every panel's lines (a line with no completed cell in the first column was drawn
+        # elsewhere but never named), in the lines' order
+        named = {}
+        for ax in axes[0]:
+            for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+                named.setdefault(label, handle)
+        labels = [line for line in lines if line in named]
+        if labels:
+            fig.legend([named[x] for x in labels], labels, loc="lower center",
+                       ncol=min(len(labels), 5), fontsize=8)  # fmt: skip
+            fig.subplots_adjust(bottom=min(0.6, 0.17 + 0.07 * math.ceil(len(labels) / 5)))
         fig.savefig(plots / f"{name}.png", dpi=100, bbox_inches="tight")
         plt.close(fig)
 
@@ -180,9 +206,6 @@ def write_sweep_report(directory: str | Path) -> Path:
             runs = runs_of(column, line)
             accuracy = Curve(runs, "eval", "accuracy")
             row = summarize(accuracy, spec["threshold"])
-            if accuracy.runs and len(accuracy.steps):
-                row["final_low"] = float(accuracy.low[-1])
-                row["final_high"] = float(accuracy.high[-1])
             reward = summarize(Curve(runs, "eval", "reward_mean"), math.inf)
             row.update({f"reward_{k}": reward.get(k) for k in ("initial", "final", "auc")})
             for name, key in (("kl_last", "approx_kl"), ("entropy_last", "entropy")):
@@ -197,7 +220,7 @@ def write_sweep_report(directory: str | Path) -> Path:
     fields = [col_axis] + ([line_axis] if line_axis != col_axis else [])
     fields += ["runs", "initial", "final", "final_low", "final_high", "peak", "auc", "minutes"]
     fields += ["steps_to_threshold", "collapse", "reward_initial", "reward_final", "reward_auc"]
-    fields += ["kl_last", "entropy_last"]
+    fields += ["kl_last", "entropy_last", "eval_steps_differ"]
     with open(directory / "summary.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

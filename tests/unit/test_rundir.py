@@ -186,3 +186,32 @@ def test_a_run_directory_in_use_refuses_a_second_driver(tmp_path, capsys):
         holder.kill()
         holder.wait()
     os.close(run.lock())
+
+
+def test_the_report_draws_evaluations_in_step_order(tmp_path, monkeypatch):
+    # eval records are written as evaluations finish: a retried one (on another worker) can
+    # land after a later step's, and the accuracy curve went 0 -> 10 -> 5 and back
+    import json
+
+    import matplotlib.axes
+
+    from staleflow.cluster.report import write_report
+    from staleflow.cluster.rundir import RunDir
+
+    run = RunDir.create(str(tmp_path), "evals")
+    run.metrics.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"kind": "eval", "step": 0, "accuracy": 0.1, "wall_s": 1.0},
+        {"kind": "eval", "step": 10, "accuracy": 0.8, "wall_s": 20.0},
+        {"kind": "eval", "step": 5, "accuracy": 0.5, "wall_s": 30.0},
+    ]))  # fmt: skip
+    drawn = []
+    real = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        drawn.append([list(a) for a in args[:2]])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    write_report(run)
+    assert [[0, 5, 10], [0.1, 0.5, 0.8]] in drawn  # accuracy against the step
+    assert [[1 / 60, 20 / 60, 30 / 60], [0.1, 0.8, 0.5]] in drawn  # and against wall time

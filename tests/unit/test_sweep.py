@@ -165,6 +165,64 @@ def test_summary_row_by_hand():
     assert summarize(Curve([], "eval", "accuracy"), 0.5) == {"runs": 0}
 
 
+def test_a_run_missing_its_last_evaluation_does_not_move_the_final_to_an_earlier_step():
+    # seed 0 evaluated at 0, 5, 10; seed 1's final evaluation failed (0 and 5 only). The
+    # common steps end at 5, and "final" was the mean there: 0.3, where seed 0 ended at 0.9
+    curve = Curve(runs([(0, 0.1), (5, 0.3), (10, 0.9)], [(0, 0.1), (5, 0.3)]), "eval",
+                  "accuracy")  # fmt: skip
+    row = summarize(curve, threshold=0.5)
+    assert row["final"] == pytest.approx((0.9 + 0.3) / 2)  # each run's own last: 0.6
+    assert (row["final_low"], row["final_high"]) == (0.3, 0.9)
+    assert row["eval_steps_differ"] is True
+    assert row["peak"] == pytest.approx(0.6)  # the final mean is above the common curve's 0.3
+    # evaluated at no step in common (an averaged axis changed run.eval_every): both runs
+    # completed, and the row said runs = 0, "not completed"
+    apart = summarize(Curve(runs([(0, 0.2), (4, 0.4)], [(3, 0.2), (6, 0.8)]), "eval",
+                            "accuracy"), 0.5)  # fmt: skip
+    assert (apart["runs"], apart["final"]) == (2, pytest.approx(0.6))  # (0.4 + 0.8) / 2
+    assert "steps_to_threshold" not in apart  # no curve to read it from
+    even = summarize(Curve(runs([(0, 0.1), (5, 0.5)], [(0, 0.3), (5, 0.7)]), "eval",
+                           "accuracy"), 0.5)  # fmt: skip
+    assert even["eval_steps_differ"] is False
+    assert even["final"] == pytest.approx(0.6)
+
+
+def test_the_legend_names_every_line_drawn_in_any_column(tmp_path, monkeypatch):
+    # legends were read from the first column only: a line whose first-column cell had not
+    # completed was drawn in the others unnamed (and with one axis for columns and lines,
+    # only the first setting was named)
+    import matplotlib.figure
+
+    cells = []
+    for column, line, done in (("A", "g", True), ("A", "r", False), ("B", "g", True),
+                               ("B", "r", True)):  # fmt: skip
+        name = f"{column}__{line}"
+        cells.append({"name": name, "labels": {"sync": column, "algo": line}})
+        run = tmp_path / "runs" / name
+        run.mkdir(parents=True)
+        run.joinpath("metrics.jsonl").write_text(
+            json.dumps({"kind": "eval", "step": 0, "accuracy": 0.1, "reward_mean": 0.1})
+            + "\n"
+            + json.dumps({"kind": "step", "step": 1, "reward_mean": 0.2})
+            + "\n"
+        )
+        status = "completed" if done else "failed"
+        run.joinpath("summary.json").write_text(json.dumps({"status": status}))
+    spec = {"cells": cells, "columns": "sync", "lines": "algo", "threshold": 0.5, "base": "b"}
+    (tmp_path / "sweep.json").write_text(json.dumps(spec))
+    legends = []
+    real = matplotlib.figure.Figure.legend
+
+    def legend(self, handles, labels, **kwargs):
+        legends.append(list(labels))
+        return real(self, handles, labels, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "legend", legend)
+    write_sweep_report(tmp_path)
+    assert legends
+    assert all(labels == ["g", "r"] for labels in legends)
+
+
 def test_trajectory_log_round_trip_stores_each_group_once(tmp_path):
     groups = synthetic_groups(3, k=2, seed=1)
     log = TrajectoryLog(tmp_path)
