@@ -266,6 +266,11 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
     for combo in itertools.product(*(axes[a].items() for a in names)):
         labels = {a: label for a, (label, _) in zip(names, combo, strict=True)}
         cell_name = "__".join(labels[a] for a in names)
+        if len(cell_name) > 128 and _NAME.match(cell_name[:128]):
+            raise SweepError(
+                f"{path}: cell name {cell_name!r} is {len(cell_name)} characters, more than "
+                "a run name's 128 (cell names join the labels with __): shorten the labels"
+            )
         if not _NAME.match(cell_name):
             raise SweepError(f"{path}: cell name {cell_name!r} is not a valid run name")
         if cell_name in sweep.configs:  # labels holding the separator: a__b + c = a + b__c
@@ -793,9 +798,9 @@ def _run_processes(
                         summary = {**(summary or {}), "status": status, "error": error}
                     if on_cell is not None:
                         on_cell(cell, status, summary)
-            if received:
-                if not running and not results:  # before any cell started
-                    results.update({cell.name: "interrupted" for cell in queue})
+            if received:  # the cells not started yet are stopped too (run again to go on),
+                # also when the running ones all ended in the poll that saw the signal
+                results.update({cell.name: "interrupted" for cell in queue})
                 _stop_cells({name: proc for name, (_, proc, _, _) in running.items()}, received)
                 for name, (_, _, out, _) in running.items():
                     out.close()

@@ -120,8 +120,14 @@ def _load(directory: Path) -> tuple[dict[str, Any], dict[str, list[dict[str, Any
     path = directory / "sweep.json"
     try:
         spec = json.loads(path.read_text())
-        if not isinstance(spec, dict) or not {"cells", "threshold"} <= spec.keys():
-            raise ValueError("no cells or threshold in it")
+        if not isinstance(spec, dict) or not {"cells", "threshold", "columns", "lines"} <= set(
+            spec
+        ):
+            raise ValueError("no cells, threshold, columns or lines in it")
+        for cell in spec["cells"]:  # each named, labelled on both figure axes
+            if not (isinstance(cell["name"], str) and spec["columns"] in cell["labels"]
+                    and spec["lines"] in cell["labels"]):  # fmt: skip
+                raise ValueError(f"a cell without its name or labels: {cell!r:.100}")
     except FileNotFoundError:
         raise SweepError(f"{path} not found: run the sweep first (without --report-only)") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -272,8 +278,9 @@ def _html(spec: dict[str, Any], rows: list[dict[str, Any]], fields: list[str], n
 table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px}}</style>
 </head><body>
 <h1>Sweep {html.escape(name)}</h1>
-<p>Base config {html.escape(spec["base"])}; columns: {html.escape(spec["columns"])}, lines:
-{html.escape(spec["lines"])}; mean over the other axes with a min-max band.
+<p>Base config {html.escape(str(spec.get("base", "?")))};
+columns: {html.escape(spec["columns"])}, lines: {html.escape(spec["lines"])};
+mean over the other axes with a min-max band.
 Collapse: final accuracy more than {COLLAPSE_DROP} below the peak.</p>
 <table>{table}</table>
 {figures}

@@ -57,6 +57,15 @@ grid:
     assert cfg.run.output_dir == str(tmp_path / "out" / "s" / "runs")
 
 
+def test_a_cell_name_over_a_run_names_length_says_so(tmp_path):
+    # two long labels joined with __ were "not a valid run name", every character valid
+    long = "a" * 70
+    body = f"grid:\n  x: {{{long}: {{run.seed: 1}}}}\n  y: {{{long}: {{sync.offset: 1}}}}\n"
+    with pytest.raises(SweepError, match=r"is 142 characters, more than a run name's 128 .*"
+                       r"shorten the labels"):  # fmt: skip
+        load_sweep(sweep_file(tmp_path, body))
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -119,8 +128,15 @@ def test_a_damaged_sweep_json_is_named_with_the_fix(tmp_path):
     with pytest.raises(SweepError, match=r"sweep\.json cannot be read .*run the sweep again"):
         write_sweep_report(tmp_path)
     (tmp_path / "sweep.json").write_text("[]")
-    with pytest.raises(SweepError, match="no cells or threshold"):
+    with pytest.raises(SweepError, match="no cells, threshold, columns or lines"):
         write_sweep_report(tmp_path)
+    # these were a KeyError traceback
+    for spec in ({"cells": [{"name": "a"}], "threshold": 0.5},
+                 {"cells": [{"name": "a", "labels": {"sync": "x"}}], "threshold": 0.5,
+                  "columns": "sync", "lines": "algo"}):  # fmt: skip
+        (tmp_path / "sweep.json").write_text(json.dumps(spec))
+        with pytest.raises(SweepError, match=r"sweep\.json cannot be read .*run the sweep again"):
+            write_sweep_report(tmp_path)
 
 
 def test_missing_files_are_named(tmp_path):
