@@ -159,7 +159,9 @@ class Driver(CheckpointMixin):
                     f"async schedule stalled at step {self.step}: no batch may start "
                     f"(buffer.max_staleness={self.cfg.buffer.max_staleness}) and the buffer "
                     f"holds {self.flow.untrained()} of the {self.schedule.G} groups a step "
-                    "needs; raise buffer.max_staleness or buffer.capacity"
+                    "needs; raise buffer.max_staleness, or buffer.capacity to at least "
+                    f"{self.schedule.G + self.P - 1} (one step's groups plus a batch's, less "
+                    "one: the least that holds once groups were dropped, as here)"
                 )
         if self.learning is None and self._publish_when_idle:
             self._publish_when_idle = False

@@ -43,6 +43,7 @@ __all__ = [
     "resume_overrides_allowed",
     "save_old_weights",
     "versions_in_use",
+    "versions_to_keep",
 ]
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
     checkpoint (a resumed learner can only publish its own step's weights)."""
     from staleflow.learner.publish import CheckpointPublisher
 
-    old = sorted(versions_in_use(driver.schedule, driver.flow))
+    old = sorted(versions_to_keep(driver.schedule, driver.flow))
     if not old:
         return
     if driver.sync.broadcasts:
@@ -152,7 +153,7 @@ class CheckpointMixin:
         resume from. It is skipped (with a warning; the groups stay held for the next one),
         except the completed run's `final` one, kept for its weights."""
         if self.sync.broadcasts and not final:
-            needed = sorted(versions_in_use(self.schedule, self.flow))
+            needed = sorted(versions_to_keep(self.schedule, self.flow))
             if needed:
                 logger.warning(
                     "no checkpoint at step %d: batches still to run need weights v%s, which "
@@ -238,6 +239,16 @@ class CheckpointMixin:
         )  # fmt: skip
         self.metrics.write("resume", r.step, checkpoint=str(r.checkpoint), recovered=recovered,
                            redo=self.redo, restore_s=seconds)  # fmt: skip
+
+
+def versions_to_keep(schedule: Any, flow: Flow) -> set[int]:
+    """The older versions a checkpoint must hold for a resume: in lock-step `versions_in_use`
+    (a resume redoes a running batch with its own version, and the coming ones need theirs);
+    in async none, as a resume redoes running batches with the newest version. Async runs
+    nearly always have a batch running that started at an older version: counted, every
+    periodic and stop checkpoint of a broadcast method (nccl, gloo) was skipped, and the
+    others copied versions the resume discarded at once."""
+    return versions_in_use(schedule, flow) if schedule.lockstep else set()
 
 
 def versions_in_use(schedule: Any, flow: Flow) -> set[int]:

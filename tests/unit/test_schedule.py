@@ -248,3 +248,40 @@ def test_a_redone_batch_counts_the_groups_of_its_parts_once():
     part_done(complete=True)
     assert (driver.flow.pushed, driver.flow.partial) == (2, {})  # 3 before: one counted twice
     assert driver.flow.batches_done == 1
+
+
+def test_an_async_checkpoint_keeps_no_older_weights_and_is_not_skipped(caplog):
+    # Async: step 5 is done while batches 6 and 7, started at v4, still run (the steady
+    # state). Counted as needed, v4 made every periodic and stop checkpoint of gloo / nccl
+    # be skipped ("batches still to run need weights v[4]"), though a resume redoes running
+    # async batches with the newest version and needs no older one.
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from staleflow.cluster.ledger import Counts
+    from staleflow.cluster.resume import CheckpointMixin, versions_in_use, versions_to_keep
+    from staleflow.cluster.schedule import Flow, Schedule
+
+    saved = []
+
+    class Learner:
+        def save(self, path, extra):
+            saved.append(extra["step"])
+            raise StopIteration  # the rest of a checkpoint is not this test's
+
+    cfg = parse_config("model: {preset: tiny}\nrollout: {prompts_per_batch: 2}\n"
+                       "sync: {mode: async, method: gloo}\n")  # fmt: skip
+    flow = Flow(steps=5, batches=7, batches_done=5, published={4, 5}, latest=5,
+                running={6: (4, 2), 7: (4, 2)}, pushed=10, trained=10)  # fmt: skip
+    driver = SimpleNamespace(
+        cfg=cfg, schedule=Schedule(cfg), flow=flow, step=5, learner=Learner(),
+        sync=SimpleNamespace(broadcasts=True), counts=Counts(), P=2, faults=[], run_id="r",
+        clock=lambda: {}, prompts=SimpleNamespace(taken=14, digest=""),
+        rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
+    )  # fmt: skip
+    assert versions_in_use(driver.schedule, flow) == {4}  # kept while the batches run
+    assert versions_to_keep(driver.schedule, flow) == set()  # but not for a resume
+    with pytest.raises(StopIteration):  # made
+        CheckpointMixin._write_checkpoint(driver)
+    assert saved == [5]
+    assert "no checkpoint at step 5" not in caplog.text
