@@ -76,35 +76,44 @@ def test_lockstep_workers_beyond_a_batch_are_said_to_stay_idle():
     assert idle_workers_warning(async_cfg, 10) is None
 
 
-def test_a_checkpoint_no_resume_could_use_is_not_made_with_a_broadcast_sync(caplog):
-    # gloo/nccl keep no copy of older weights: at step 3 of I = 2, batch 4 still needs v2.
-    # Such a checkpoint was made, acked its groups, and then every resume was refused.
+def checkpointing_driver(cfg, flow, saved: list[int]):
+    """What CheckpointMixin._write_checkpoint reads of a driver; its learner records the step
+    it is asked to save and stops there (the rest of a checkpoint is not these tests')."""
     from types import SimpleNamespace
 
     from staleflow.cluster.ledger import Counts
-    from staleflow.cluster.resume import CheckpointMixin
-    from staleflow.cluster.schedule import Flow, Schedule
-
-    saved = []
+    from staleflow.cluster.schedule import Schedule
 
     class Learner:
         def save(self, path, extra):
             saved.append(extra["step"])
-            raise StopIteration  # the rest of a checkpoint is not this test's
+            raise StopIteration
+
+    return SimpleNamespace(
+        cfg=cfg, schedule=Schedule(cfg), flow=flow, step=flow.steps, learner=Learner(),
+        sync=SimpleNamespace(broadcasts=cfg.sync.method in ("gloo", "nccl")), counts=Counts(),
+        P=cfg.rollout.prompts_per_batch, faults=[], run_id="r", clock=lambda: {},
+        prompts=SimpleNamespace(taken=flow.batches * cfg.rollout.prompts_per_batch, digest=""),
+        rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
+    )  # fmt: skip
+
+
+def test_a_checkpoint_no_resume_could_use_is_not_made_with_a_broadcast_sync(caplog):
+    # gloo/nccl keep no copy of older weights: at step 3 of I = 2, batch 4 still needs v2.
+    # Such a checkpoint was made, acked its groups, and then every resume was refused.
+    from staleflow.cluster.resume import CheckpointMixin
+    from staleflow.cluster.schedule import Flow
+
+    saved: list[int] = []
 
     def driver(method: str, batches: int):
         cfg = parse_config(
             "model: {preset: tiny}\nrollout: {prompts_per_batch: 2}\nsync: {mode: lockstep}",
             [f"sync.method={method}", "sync.interval=2", "sync.offset=0"],
         )
-        flow = Flow(steps=3, batches=batches, published={0, 2}, latest=2)
-        return SimpleNamespace(
-            cfg=cfg, schedule=Schedule(cfg), flow=flow, step=3, learner=Learner(),
-            sync=SimpleNamespace(broadcasts=method in ("gloo", "nccl")),
-            counts=Counts(), P=2, faults=[], run_id="r", clock=lambda: {},
-            prompts=SimpleNamespace(taken=6, digest=""),
-            rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
-        )  # fmt: skip
+        return checkpointing_driver(
+            cfg, Flow(steps=3, batches=batches, published={0, 2}, latest=2), saved
+        )
 
     CheckpointMixin._write_checkpoint(driver("gloo", batches=3))  # batch 4 (v2) not made yet
     assert saved == []
@@ -255,30 +264,15 @@ def test_an_async_checkpoint_keeps_no_older_weights_and_is_not_skipped(caplog):
     # state). Counted as needed, v4 made every periodic and stop checkpoint of gloo / nccl
     # be skipped ("batches still to run need weights v[4]"), though a resume redoes running
     # async batches with the newest version and needs no older one.
-    from pathlib import Path
-    from types import SimpleNamespace
-
-    from staleflow.cluster.ledger import Counts
     from staleflow.cluster.resume import CheckpointMixin, versions_in_use, versions_to_keep
-    from staleflow.cluster.schedule import Flow, Schedule
+    from staleflow.cluster.schedule import Flow
 
-    saved = []
-
-    class Learner:
-        def save(self, path, extra):
-            saved.append(extra["step"])
-            raise StopIteration  # the rest of a checkpoint is not this test's
-
+    saved: list[int] = []
     cfg = parse_config("model: {preset: tiny}\nrollout: {prompts_per_batch: 2}\n"
                        "sync: {mode: async, method: gloo}\n")  # fmt: skip
     flow = Flow(steps=5, batches=7, batches_done=5, published={4, 5}, latest=5,
                 running={6: (4, 2), 7: (4, 2)}, pushed=10, trained=10)  # fmt: skip
-    driver = SimpleNamespace(
-        cfg=cfg, schedule=Schedule(cfg), flow=flow, step=5, learner=Learner(),
-        sync=SimpleNamespace(broadcasts=True), counts=Counts(), P=2, faults=[], run_id="r",
-        clock=lambda: {}, prompts=SimpleNamespace(taken=14, digest=""),
-        rundir=SimpleNamespace(checkpoints=Path("/nonexistent")),
-    )  # fmt: skip
+    driver = checkpointing_driver(cfg, flow, saved)
     assert versions_in_use(driver.schedule, flow) == {4}  # kept while the batches run
     assert versions_to_keep(driver.schedule, flow) == set()  # but not for a resume
     with pytest.raises(StopIteration):  # made
