@@ -199,14 +199,16 @@ class HFEngine:
         plan = self._stop_plans.get(stop)
         if plan is None:
             texts, ids = token_stops(self.tokenizer, stop)
-            last = {s[-1] for s in texts}
-            pieces = self.tokenizer.batch_decode(
-                [[i] for i in range(len(self.tokenizer))], skip_special_tokens=True
-            )
-            candidates = frozenset(
-                i for i, piece in enumerate(pieces)
-                if "\ufffd" in piece or any(c in piece for c in last)
-            ) if texts else frozenset()  # fmt: skip
+            candidates: frozenset[int] = frozenset()
+            if texts:  # (no text stop string: no vocabulary to decode)
+                last = {s[-1] for s in texts}
+                pieces = self.tokenizer.batch_decode(
+                    [[i] for i in range(len(self.tokenizer))], skip_special_tokens=True
+                )
+                candidates = frozenset(
+                    i for i, piece in enumerate(pieces)
+                    if "\ufffd" in piece or any(c in piece for c in last)
+                )  # fmt: skip
             plan = self._stop_plans[stop] = (texts, ids, candidates)
         return plan
 

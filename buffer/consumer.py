@@ -40,8 +40,7 @@ from staleflow.buffer.staleness import trainable
 __all__ = ["Consumer", "Sampling"]
 
 Sampling = Literal["fifo", "freshest", "replay"]
-# A taken entry: (entry id, policy version, its fields, handed out as a replay)
-# (entry id, version, fields, replay: False, or a replay's take token)
+# A taken entry: (entry id, policy version, its fields, False, or the take token of a replay)
 _Entry = tuple[str, int, dict[bytes, bytes], "bool | str"]
 
 

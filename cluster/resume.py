@@ -201,13 +201,6 @@ class CheckpointMixin:
         except LearnerFailed as exc:
             raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
         stats = self.buffer.stats()  # (the load acked the checkpoint's groups if not yet)
-        if stats.acked < r.counts.trained:
-            logger.warning(
-                "the buffer counts %d acknowledged trainings, %s counts %d: the summary will "
-                "not reconcile (acks lost with the last second of a Redis that died, or a "
-                "checkpoint whose commit acked fewer than it held)",
-                stats.acked, r.checkpoint, r.counts.trained,
-            )  # fmt: skip
         if (stats.acked == 0 < r.counts.trained) or (stats.pushed == 0 < r.flow.pushed):
             # an empty or another buffer: the groups pushed and not yet trained are gone, and
             # a run that waits for them would wait for ever
@@ -220,6 +213,13 @@ class CheckpointMixin:
                 "without persistence, flushed, or another buffer.redis_url). Resume against "
                 "the run's own buffer, or start a new run"
             )
+        if stats.acked < r.counts.trained:
+            logger.warning(
+                "the buffer counts %d acknowledged trainings, %s counts %d: the summary will "
+                "not reconcile (acks lost with the last second of a Redis that died, or a "
+                "checkpoint whose commit acked fewer than it held)",
+                stats.acked, r.checkpoint, r.counts.trained,
+            )  # fmt: skip
         r.cut_metrics(self.rundir)  # the records of what is trained again
         # TensorBoard hides the earlier run's steps from the first one trained again
         self.metrics.reopen(self.cfg.run.tensorboard, purge_step=r.step + 1)

@@ -116,15 +116,14 @@ def save_checkpoint(
             for f in tmp.iterdir():
                 fsync_file(f)
             fsync_dir(tmp)
+            old = None
             if path.exists():
                 old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
                 path.rename(old)
-                tmp.rename(path)
-                fsync_dir(path.parent)
+            tmp.rename(path)
+            fsync_dir(path.parent)
+            if old is not None:
                 shutil.rmtree(old)
-            else:
-                tmp.rename(path)
-                fsync_dir(path.parent)
     finally:
         _barrier(world)
         if rank == 0:
