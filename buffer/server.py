@@ -254,13 +254,19 @@ class RedisServer:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: ask the kernel to SIGTERM us when our parent dies, and block
-    SIGINT, so a terminal's Ctrl-C reaches only the owner, which stops the server once its
-    clean shutdown no longer needs it (the mask survives exec; Ray does the same)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    """In the child before exec: block SIGINT and SIGTERM, so that only the owner decides when
+    the server stops, and ask the kernel to SIGKILL the server when its owner dies.
+
+    A terminal's Ctrl-C reaches the whole foreground process group, and `ray job stop` (and
+    KubeRay's RayJob deletion, through it) SIGTERMs the entrypoint and all its descendants at
+    once: either signal reaching the server would take the buffer down while the owner's clean
+    stop still needs it to ack the last step's groups. The mask survives exec (Ray does the
+    same); SIGKILL cannot be blocked, and loses nothing acknowledged (Redis writes its AOF
+    before it replies, so every acknowledged write is in the kernel's page cache)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     pr_set_pdeathsig = 1
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def _quoted(value: str) -> str:

@@ -105,7 +105,7 @@ with RedisServer(sys.argv[1]) as server:
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_stopped_on_ctrl_c_and_when_the_owner_dies(tmp_path, sig):
     owner = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(tmp_path)],
@@ -115,7 +115,9 @@ def test_stopped_on_ctrl_c_and_when_the_owner_dies(tmp_path, sig):
     )
     pid = int(owner.stdout.readline())
     assert alive(pid)
-    owner.send_signal(sig)  # Ctrl-C unwinds the with-block; SIGKILL leaves it to the kernel
+    # Ctrl-C unwinds the with-block; SIGTERM (no handler here) and SIGKILL kill the owner at
+    # once and leave the server to the kernel's parent-death signal
+    owner.send_signal(sig)
     try:
         owner.wait(timeout=60)
     except subprocess.TimeoutExpired:  # say where the owner was stuck
@@ -125,6 +127,23 @@ def test_stopped_on_ctrl_c_and_when_the_owner_dies(tmp_path, sig):
         _, err = owner.communicate()
         pytest.fail(f"the owner did not exit within 60 s of {sig.name}; its stack:\n{err}")
     assert wait_dead(pid), f"redis-server {pid} outlived its owner after {sig.name}"
+
+
+def test_signals_for_the_owners_process_tree_leave_the_server_to_its_owner(tmp_path):
+    # `ray job stop` (and a RayJob's deletion) SIGTERMs the driver and every descendant at
+    # once, and a terminal's Ctrl-C SIGINTs its foreground group. The server used to exit on
+    # SIGTERM while the driver's clean stop still had to ack the last step's groups in it.
+    with RedisServer(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        client.set("kept", "1")
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(server.process.pid, sig)
+        time.sleep(0.5)  # a server that obeyed them is gone by now (it exits in milliseconds)
+        assert server.process.poll() is None, "redis-server obeyed a signal meant for its owner"
+        assert client.get("kept") == b"1"
+        pid = server.process.pid
+        client.close()
+    assert wait_dead(pid)  # its owner still stops it
 
 
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):

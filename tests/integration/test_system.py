@@ -498,7 +498,7 @@ def _node_addresses(run: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_train_starts_its_own_ray_beside_a_ray_start_cluster_and_joins_ray_address(
+def test_train_starts_its_own_ray_beside_a_ray_start_cluster_joins_ray_address_and_stops_as_a_job(
     tmp_path, ray_started, monkeypatch
 ):
     address, cluster = ray_started
@@ -511,14 +511,29 @@ def test_train_starts_its_own_ray_beside_a_ray_start_cluster_and_joins_ray_addre
     assert proc.returncode == 0, out[-3000:]
     assert "127.0.0.2" not in _node_addresses(tmp_path / "runs/own")
 
-    # $RAY_ADDRESS (what `ray job submit` sets for its entrypoint) is the default --address
+    # $RAY_ADDRESS (what `ray job submit` sets for its entrypoint) is the default --address.
+    # The run is then stopped as `ray job stop` (and a RayJob's deletion) stops it: SIGTERM to
+    # the driver and every process below it at once. The embedded Redis, one of them, used to
+    # exit on it while the driver still had to ack the last step's groups (the driver then
+    # restarted it from its append-only file, when the job's stop allowed the time).
     monkeypatch.setenv("RAY_ADDRESS", address)
-    proc = staleflow("train", "c.yaml", "run.name=joined", "run.steps=4", ONE_WORKER, cwd=tmp_path)
-    out, _ = proc.communicate(timeout=500)
-    assert proc.returncode == 0, out[-3000:]
+    proc = staleflow(
+        "train", "c.yaml", "run.name=joined", "run.steps=100000", ONE_WORKER, cwd=tmp_path
+    )  # fmt: skip
+    joined = tmp_path / "runs/joined"
+    wait_for(lambda: status_of(joined).get("step", 0) >= 2, 300, "step 2")
+    tree = [proc.pid, *descendants(proc.pid)]
+    for pid in tree:
+        os.kill(pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert f"joining the Ray cluster at {address} from $RAY_ADDRESS" in out
-    assert _node_addresses(tmp_path / "runs/joined") == {"127.0.0.2"}
-    assert json.loads((tmp_path / "runs/joined/summary.json").read_text())["steps"] == 4
+    assert "the embedded Redis server died" not in out
+    summary = interrupted_summary(joined, out)
+    assert summary["stopped_by"] == "SIGTERM"
+    assert set(summary["placement"]["node_addresses"].values()) == {"127.0.0.2"}
+    latest = joined / "checkpoints" / (joined / "checkpoints/LATEST").read_text().strip()
+    assert json.loads((latest / "trainer.json").read_text())["steps"] == summary["steps"] >= 2
     # the driver only disconnected: the cluster it joined still runs (`ray start --block`
     # exits as soon as one of its processes does)
     time.sleep(1)
