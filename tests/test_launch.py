@@ -7,9 +7,12 @@ $KUBERAY_CRD (it is not vendored here); the SLURM script with bash (shellcheck r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,17 @@ def test_rayjob_runs_the_configmap_config_which_is_the_gpu_quickstart():
     quickstart = load_config(REPO / "configs" / "quickstart-gpu.yaml", ["run.output_dir=/mnt/runs"])
     assert cfg.model_dump() == quickstart.model_dump()
 
+    # `ray job stop` (and deleting the RayJob, through it) SIGKILLs the driver
+    # RAY_JOB_STOP_WAIT_TIME_S after its SIGTERM, 3 s unless the job's runtime env says more
+    env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= 600
+
+
+def test_ray_up_job_submission_gives_the_clean_stop_its_time():
+    for text in ((LAUNCH / "ray-up.yaml").read_text(), (REPO / "README.md").read_text()):
+        submit = text[text.index("ray job submit --address") :].split("staleflow train")[0]
+        assert '"RAY_JOB_STOP_WAIT_TIME_S": "600"' in submit
+
 
 def test_slurm_script_is_valid_bash_and_trains_the_given_config():
     script = LAUNCH / "slurm.sh"
@@ -68,6 +82,99 @@ def test_slurm_script_is_valid_bash_and_trains_the_given_config():
     text = script.read_text()
     assert "#SBATCH --gpus-per-node" in text
     assert 'staleflow train "$CONFIG" --address' in text
+
+
+# Stand-ins for what a SLURM allocation provides, to drive the script's own logic (which node
+# is the head, waiting for the nodes, handing a stop signal to the driver): SLURM's commands,
+# `ray start` (a process that stays up, as `--block` does, and counts itself as a node) and
+# the driver (records its arguments and the signals it gets).
+_STUBS = {
+    "scontrol": 'printf "%s\\n" node1 node2\n',
+    "srun": 'while [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done\nexec "$@"\n',
+    "hostname": 'echo "$HEAD_ADDRESSES"\n',
+    "ray": (
+        'if [[ "$1 $2" == "start --address"* && -n "${WORKER_FAILS:-}" ]]; then exit 1; fi\n'
+        'if [[ "$1 $2" == "start --address"* && -n "${WORKER_LOST:-}" ]]; then exec sleep 600; fi\n'
+        'if [[ "$1" == start ]]; then echo up >> "$STATE/nodes"; exec sleep 600; fi\n'
+    ),
+    "python": 'cat "$STATE/nodes" 2>/dev/null | wc -l\n',
+    "staleflow": (
+        'echo "$*" > "$STATE/driver"\n'
+        'trap \'echo TERM >> "$STATE/driver"; sleep 0.5; exit 143\' TERM\n'
+        "while true; do sleep 0.1; done\n"
+    ),
+}
+
+
+def _slurm_script(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], Path]:
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name, body in _STUBS.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    environ = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "STATE": str(state),
+        "SLURM_JOB_NODELIST": "node[1-2]", "HEAD_ADDRESSES": "10.0.0.1 172.17.0.1", **env,
+    }  # fmt: skip
+    # output to a file: the `ray start` stand-ins outlive the script (as SLURM's steps do
+    # until the job ends) and would hold a pipe open
+    with (state / "out.log").open("w") as out:
+        proc = subprocess.Popen(
+            ["bash", str(LAUNCH / "slurm.sh"), "c.yaml", "run.steps=5"], cwd=tmp_path,
+            env=environ, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # its `ray start` stand-ins are killed with the group
+        )  # fmt: skip
+    return proc, state
+
+
+def _finish(proc: subprocess.Popen[bytes], state: Path) -> str:
+    """Wait for the script (60 s at most), kill what it left, return its output."""
+    try:
+        proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return (state / "out.log").read_text()
+
+
+def test_slurm_script_hands_a_stop_signal_to_the_driver_and_exits_with_its_status(tmp_path):
+    # `scancel --batch --signal=TERM` and `--signal=B:TERM@300` signal the script alone. It
+    # ran the driver in the foreground, so bash would have run no trap until the driver ended.
+    proc, state = _slurm_script(tmp_path)
+    driver = state / "driver"
+    deadline = time.monotonic() + 60
+    while not driver.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert driver.exists(), _finish(proc, state)
+    proc.send_signal(signal.SIGTERM)
+    out = _finish(proc, state)
+    assert proc.returncode == 143, out
+    assert driver.read_text().splitlines() == [
+        "train c.yaml --address 10.0.0.1:6379 run.steps=5",  # the head's first address
+        "TERM",
+    ]
+    assert "SIGTERM to the driver" in out
+
+
+@pytest.mark.parametrize(
+    ("env", "error"),
+    [
+        ({"HEAD_ADDRESSES": "127.0.1.1"}, "no routable address on the head node node1"),
+        ({"WORKER_FAILS": "1"}, "a 'ray start' step exited"),
+        ({"WORKER_LOST": "1", "RAY_START_TIMEOUT_S": "1"}, "1 of 2 Ray node(s) up after 1 s"),
+    ],
+    ids=["loopback-head", "worker-start-fails", "worker-never-joins"],
+)
+def test_slurm_script_refuses_to_start_the_driver_on_a_cluster_that_did_not_form(
+    tmp_path, env, error
+):
+    # It slept 10 s and started the driver whatever had come up.
+    proc, state = _slurm_script(tmp_path, **env)
+    out = _finish(proc, state)
+    assert proc.returncode == 1, out
+    assert f"error: {error}" in out
+    assert not (state / "driver").exists()
 
 
 KUBERNETES = "1.33.0"  # the oldest Kubernetes the manifest is checked against
