@@ -14,7 +14,7 @@ import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from staleflow.configs.loader import redact
+from staleflow.configs.loader import redact_url
 from staleflow.configs.schema import redis_url_problem
 
 __all__ = ["BufferConnectionError", "Pinned", "connect", "translate_errors", "without_retries"]
@@ -103,11 +103,11 @@ def connect(
     may first wait out its `socket_timeout_s`)."""
     problem = redis_url_problem(url)
     if problem:
-        raise ValueError(f"Redis URL {redact(url)!r} {problem}")
+        raise ValueError(f"Redis URL {redact_url(url)!r} {problem}")
     tls_target = None
     if url.startswith("rediss://"):
         parts = urlsplit(url)
-        tls_target = (parts.hostname or "localhost", parts.port or 6379, redact(url))
+        tls_target = (parts.hostname or "localhost", parts.port or 6379, redact_url(url))
     retry = _RetryUnlessRefused(
         ExponentialBackoff(cap=2.0, base=0.05), retries, tls_target=tls_target, give_up_s=give_up_s
     )
@@ -123,7 +123,7 @@ def connect(
             **tcp,
         )
     except ValueError as exc:  # an option redis-py cannot read (?db=x, ?socket_timeout=y)
-        raise ValueError(f"Redis URL {redact(url)!r}: {exc}") from None
+        raise ValueError(f"Redis URL {redact_url(url)!r}: {exc}") from None
 
 
 def answers_plain_redis(host: str, port: int, timeout_s: float = 2.0) -> bool:

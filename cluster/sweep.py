@@ -476,7 +476,7 @@ def update_figures(sweep: Sweep) -> None:
 def write_sweep_json(sweep: Sweep) -> None:
     """<sweep dir>/sweep.json: what the report reads (cells, labels, figures' axes), with
     any password in an override masked."""
-    from staleflow.configs.loader import redact
+    from staleflow.configs.loader import redact_override
 
     write_text(  # atomically: --report-only reads it
         sweep.directory / "sweep.json",
@@ -484,7 +484,7 @@ def write_sweep_json(sweep: Sweep) -> None:
             {
                 "source": str(sweep.source),
                 "base": str(sweep.base),
-                "overrides": [redact(o) for o in sweep.overrides],
+                "overrides": [redact_override(o) for o in sweep.overrides],
                 "columns": sweep.columns,
                 "lines": sweep.lines,
                 "threshold": sweep.threshold,
@@ -492,7 +492,7 @@ def write_sweep_json(sweep: Sweep) -> None:
                     {
                         "name": c.name,
                         "labels": c.labels,
-                        "overrides": [redact(o) for o in c.overrides],
+                        "overrides": [redact_override(o) for o in c.overrides],
                     }
                     for c in sweep.cells
                 ],

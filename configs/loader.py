@@ -34,6 +34,7 @@ __all__ = [
     "password_masked",
     "read_yaml",
     "redact",
+    "redact_override",
     "redacted_dict",
 ]
 
@@ -42,7 +43,10 @@ Loc = tuple[str, ...]
 # whitespace, so a password holding '@', '/', '#', '?' or quotes (unencoded) is masked whole
 # (redis-py ends it at the netloc's last '@'). And a password given as a query option.
 _URL_PASSWORD = re.compile(r"(\w+://[^\s:/@]*:)\S*@")
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#\s]*", re.I)
+_QUERY_PASSWORD = re.compile(r"([?&][^=&#\s]*password=)[^&#\s]*", re.I)  # and ssl_password
+# A URL-valued key inside a mapping given on the command line (buffer={redis_url: ...}): its
+# value may carry a password without a scheme, which `redact` would not recognise.
+_URL_IN_MAPPING = re.compile(r"""(\w*url\s*[:=]\s*)(["']?)([^"',}\s]+)""", re.I)
 
 
 class ConfigError(ValueError):
@@ -86,7 +90,7 @@ def apply_overrides(
         key, sep, raw = given.partition("=")
         loc = tuple(key.strip().split("."))
         # as errors show it: a URL's password masked even without its scheme
-        item = f"{key}={redact_url(raw)}" if key.strip().endswith("url") else given
+        item = _masked_override(key, raw) if sep else given
         if not sep or not all(loc):
             raise ConfigError(
                 f"override {item!r} is not of the form section.key=value "
@@ -95,9 +99,8 @@ def apply_overrides(
         try:
             value = yaml.load(raw, Loader=YamlLoader) if raw.strip() else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(
-                redact(f"override {item!r}: value is not valid YAML: {exc}")
-            ) from None
+            message = f"override {item!r}: value is not valid YAML: {exc}"
+            raise ConfigError(_mask_urls_in_mappings(redact(message))) from None
         node = data
         for depth, part in enumerate(loc[:-1]):
             child = node.setdefault(part, {})
@@ -111,6 +114,24 @@ def apply_overrides(
         if origins is not None:
             origins[loc] = f"override {item!r}"
     return data
+
+
+def redact_override(override: str) -> str:
+    """A "dotted.key=value" override with the password of any URL it sets masked."""
+    key, sep, raw = override.partition("=")
+    return _masked_override(key, raw) if sep else redact(override)
+
+
+def _masked_override(key: str, raw: str) -> str:
+    """An override as errors show it: the password of a URL it sets masked, whether the URL
+    is its value (buffer.redis_url=...) or inside a mapping (buffer={redis_url: ...})."""
+    if key.strip().endswith("url"):
+        return f"{key}={redact_url(raw)}"
+    return f"{key}={_mask_urls_in_mappings(redact(raw))}"
+
+
+def _mask_urls_in_mappings(text: str) -> str:
+    return _URL_IN_MAPPING.sub(lambda m: m[1] + m[2] + redact_url(m[3]), text)
 
 
 def redact(text: str) -> str:

@@ -387,8 +387,15 @@ def redis_url_problem(url: str) -> str | None:
     when a config loads, so that a run does not fail on it after Ray has started."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         return "must start with redis://, rediss:// or unix://"
+    if any(c.isspace() for c in url):  # redis-py keeps it, in a host or user name: no server
+        return "holds whitespace: percent-encode it (a space as %20)"
     parts = urlsplit(url)
     if url.startswith("unix://"):
+        if parts.hostname:  # redis-py drops it: unix://tmp/r.sock would be /r.sock
+            return (
+                f"has {parts.hostname!r} before its path, which redis-py drops: give the "
+                "socket's absolute path after three slashes, e.g. unix:///run/redis.sock"
+            )
         if not parts.path:
             return "needs the socket's path, e.g. unix:///run/redis.sock"
         return _query_problem(url)
@@ -403,9 +410,13 @@ def redis_url_problem(url: str) -> str | None:
         port = 0
     if port == 0:
         return "has no valid port (1-65535), e.g. redis://host:6379/0"
+    if not parts.hostname:  # redis-py would quietly connect to localhost
+        return "has no host, e.g. redis://host:6379/0"
     db = parts.path.strip("/")
     if db and not db.isdigit():  # redis-py would quietly use database 0
         return f"names database {db!r}, which is not a number, e.g. redis://host:6379/0"
+    if db and "db" in parse_qs(parts.query):  # redis-py would quietly use the ?db= one
+        return "names its database twice, in its path and as ?db=: keep one"
     return _query_problem(url)
 
 

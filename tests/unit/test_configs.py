@@ -213,6 +213,12 @@ def test_leftover_parameters_after_switching_preset_are_reported():
         (MINIMAL, ["buffer.redis_url=redis://127.0.0.1:0"], "no valid port"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/abc"], "database 'abc'"),
         (MINIMAL, ["buffer.redis_url=unix://"], "socket's path"),
+        # each of these was accepted, and redis-py then connected elsewhere than written:
+        # localhost, /redis.sock, database 3
+        (MINIMAL, ["buffer.redis_url=redis://:pw@:6379/0"], "has no host"),
+        (MINIMAL, ["buffer.redis_url=unix://tmp/redis.sock"],
+         "has 'tmp' before its path, which redis-py drops"),
+        (MINIMAL, ["buffer.redis_url=redis://h:6379/0?db=3"], "names its database twice"),
         (MINIMAL, ["buffer.max_reuse=3"], "only applies to sampling: replay"),
         (MINIMAL, ["learner.loss.name=opmd", "learner.loss.kl_coef=0.1"], "reference_model: true"),
         (MINIMAL, ["learner.loss.epsilon_low=0.1"], r"learner.loss.name: required.*grpo"),
@@ -235,7 +241,7 @@ def test_leftover_parameters_after_switching_preset_are_reported():
         (MINIMAL, ["task.name=gsm8k", "task.path=p.jsonl", "task.reward_fn=m:f"],
          r"task.reward_fn is read only by task 'custom'"),
         # refused by redis-py only at its first connection, after Ray had started
-        (MINIMAL, ["buffer.redis_url=redis://h:6379/0?db=one"], "has db='one'"),
+        (MINIMAL, ["buffer.redis_url=redis://h:6379?db=one"], "has db='one'"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/0?socket_timeout=x"],
          "has socket_timeout='x'"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/0?colour=red"],
@@ -360,9 +366,9 @@ def test_masking_leaves_values_that_only_look_like_credentials():
 
 
 def test_redis_url_options_redis_py_takes_are_accepted():
-    for query in ("max_connections=50", "socket_timeout=3&db=2", "client_name=learner"):
-        url = f"redis://h:6379/0?{query}"
-        assert parse_config(MINIMAL, [f"buffer.redis_url={url}"]).buffer.redis_url == url
+    for query in ("max_connections=50", "socket_timeout=3", "client_name=learner"):
+        for url in (f"redis://h:6379/0?{query}", f"redis://h:6379?{query}&db=2"):
+            assert parse_config(MINIMAL, [f"buffer.redis_url={url}"]).buffer.redis_url == url
     url = "rediss://h:6379/0?ssl_cert_reqs=none&ssl_check_hostname=false"
     assert parse_config(MINIMAL, [f"buffer.redis_url={url}"]).buffer.redis_url == url
 
@@ -414,6 +420,46 @@ def test_a_query_password_is_masked():
     assert redact(url) == "redis://h:6379/0?password=***&socket_timeout=5"
     cfg = parse_config(MINIMAL, [f"buffer.redis_url={url}"])
     assert "s3cret" not in redact(dump_config(cfg))
+
+
+def test_every_password_option_and_a_url_in_a_mapping_override_is_masked():
+    from staleflow.configs.loader import password_masked, redact, redact_override
+
+    # ?ssl_password= (the TLS key's passphrase) was printed by `staleflow config`, stored in
+    # config.json and shown in `buffer stats` errors
+    url = "rediss://:s3cret@h:6379/0?ssl_password=KEYPASS&ssl_certfile=/x"
+    assert redact(url) == "rediss://:***@h:6379/0?ssl_password=***&ssl_certfile=/x"
+    cfg = parse_config(MINIMAL, [f"buffer.redis_url={url}"])
+    assert "KEYPASS" not in redact(dump_config(cfg))
+    assert password_masked("rediss://h:6379/0?ssl_password=***")  # a resume asks for it
+    # a URL without its scheme inside a mapping override: the error quoted the override raw
+    with pytest.raises(ConfigError) as err:
+        parse_config(MINIMAL, ['buffer={redis_url: "u:s3cret@h:6379/0"}'])
+    assert "s3cret" not in str(err.value)
+    assert "u:***@h:6379/0" in str(err.value)
+    with pytest.raises(ConfigError) as err:  # ... and in a YAML error, which quotes it too
+        parse_config(MINIMAL, ['buffer={redis_url: "u:s3cret@h:6379/0"'])
+    assert "s3cret" not in str(err.value)
+    assert redact_override("sweep.x={redis_url: 'u:s3cret@h:1/0'}") == (
+        "sweep.x={redis_url: 'u:***@h:1/0'}"
+    )
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://:my s3cret@127.0.0.1:1/0", "redis://my user:s3cret@h:6379/0"]
+)
+def test_whitespace_in_a_redis_url_is_refused_without_printing_the_password(url):
+    # redis-py takes a space into the password or user name and connects with it: the regex
+    # that masks passwords in free text stops at whitespace, so the config (and config.json)
+    # printed it whole
+    with pytest.raises(ConfigError, match=r"holds whitespace: percent-encode it") as err:
+        parse_config(MINIMAL, [f"buffer.redis_url={url}"])
+    assert "s3cret" not in str(err.value)
+    from staleflow.buffer.connection import connect
+
+    with pytest.raises(ValueError, match="holds whitespace") as err2:  # `buffer stats --redis-url`
+        connect(url)
+    assert "s3cret" not in str(err2.value)
 
 
 def test_a_password_with_an_at_sign_is_masked_whole():
