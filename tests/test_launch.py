@@ -100,7 +100,7 @@ _STUBS = {
     "python": 'cat "$STATE/nodes" 2>/dev/null | wc -l\n',
     "staleflow": (
         'echo "$*" > "$STATE/driver"\n'
-        'trap \'echo TERM >> "$STATE/driver"; sleep 0.5; exit 143\' TERM\n'
+        "trap 'echo TERM >> \"$STATE/driver\"; sleep 0.5; exit 143' TERM\n"
         "while true; do sleep 0.1; done\n"
     ),
 }
