@@ -12,8 +12,9 @@ tensors in one run.
 Each round allocates the buffer, as every publish does, and ends with the device's
 synchronize; medians over rounds, ratios last. On CPU (2 cores, SmolLM2, medians of 11, three
 runs) one cat took 0.92-1.02x the shipped loop's time: the copy is memory-bound there. What
-decides it is a GPU, where the loop is launch-bound (273 tensors) and a byte-wise cat may not
-reach the copy engine's bandwidth: `bash bench/gpu.sh flatten` measures it.
+decides it is a GPU, where the loop is launch-bound (272 tensors, as a run publishes them:
+the tied lm_head once) and a byte-wise cat may not reach the copy engine's bandwidth:
+`bash bench/gpu.sh flatten` measures it.
 """
 
 from __future__ import annotations
@@ -58,11 +59,12 @@ def main() -> int:
         parser.error("--rounds must be at least 1")
     from staleflow.actors.models import load_model, prepare_model
     from staleflow.configs.schema import ModelConfig
+    from staleflow.learner.learner import untied
     from staleflow.learner.publish import flatten_tensors
 
     prepare_model(ModelConfig(preset=args.model))
     model, _ = load_model(ModelConfig(preset=args.model), device=args.device)
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    tensors = untied(model.state_dict())  # what a run publishes: a tied lm_head not twice
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 

@@ -551,7 +551,7 @@ class LearnerConfig(Frozen):
         0.0,
         ge=0.0,
         description="GPU share per learner rank, at most 1 (0: CPU; 0.5 shares one GPU with "
-        "the workers; over several ranks each needs a GPU of its own).",
+        "the workers; several ranks on fractions must be spread, one per node).",
     )
     resources: dict[str, float] = Field(
         default_factory=dict,

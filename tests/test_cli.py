@@ -270,6 +270,14 @@ def test_train_help_lists_every_config_key_with_its_schema_description(capsys):
     assert "--address" in out
     assert "--workers" in out
     assert "Ctrl-C" in out
+    # --resume names every key a resume may set (rollout.vllm.gpu_memory_utilization was
+    # missing), each after its section: "rollout.num_workers, max_restarts, ..."
+    from staleflow.cluster.resume import RESUMABLE
+
+    resume = " ".join(out[out.rindex("--resume RUN_DIR") :].split("\n\n")[0].split())
+    for key in RESUMABLE:
+        section, _, rest = key.partition(".")
+        assert f"{section}." in resume and rest in resume[resume.index(f"{section}.") :], key
 
 
 def test_ray_address_defaults_to_the_environment_as_ray_s_own_scripts_do(monkeypatch, capsys):
