@@ -277,7 +277,8 @@ def test_train_help_lists_every_config_key_with_its_schema_description(capsys):
     resume = " ".join(out[out.rindex("--resume RUN_DIR") :].split("\n\n")[0].split())
     for key in RESUMABLE:
         section, _, rest = key.partition(".")
-        assert f"{section}." in resume and rest in resume[resume.index(f"{section}.") :], key
+        assert f"{section}." in resume, key
+        assert rest in resume[resume.index(f"{section}.") :], key
 
 
 def test_ray_address_defaults_to_the_environment_as_ray_s_own_scripts_do(monkeypatch, capsys):
