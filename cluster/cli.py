@@ -39,9 +39,10 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from staleflow.actors.tasks import TaskError
     from staleflow.cluster.commands import check_before_start
     from staleflow.configs import ConfigError, dump_config, load_config
-    from staleflow.configs.loader import redact
+    from staleflow.configs.loader import check_distinct_overrides, redact
 
     try:
+        check_distinct_overrides(args.overrides)
         cfg = load_config(args.config, args.overrides)
         check_before_start(cfg)
     except (ConfigError, TaskError, ModelError, PromptTooLongError) as exc:

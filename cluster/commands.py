@@ -306,8 +306,14 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     from staleflow.cluster.rundir import RunDir, RunDirBusy
     from staleflow.cluster.services import redis_url_from_env
     from staleflow.configs import ConfigError, load_config
+    from staleflow.configs.loader import check_distinct_overrides
 
     overrides = list(args.overrides)
+    try:  # a key given twice: the last would win silently
+        flag = {} if args.workers is None else {"rollout.num_workers": f"--workers {args.workers}"}
+        check_distinct_overrides(overrides, flag)
+    except ConfigError as exc:
+        return _fail(str(exc))
     if args.workers is not None:
         if args.workers < 1:  # named as the flag the user typed, not as the override
             return _fail(f"--workers must be at least 1, got {args.workers}")
@@ -582,11 +588,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from staleflow.actors.tasks import TaskError
     from staleflow.actors.worker import PromptTooLongError, RewardError, RolloutWorker
     from staleflow.configs import ConfigError, load_config, parse_config
+    from staleflow.configs.loader import check_distinct_overrides
     from staleflow.configs.schema import TaskConfig, unread_task_inputs
     from staleflow.learner.device import DeviceError
 
     target = Path(args.target)
     overrides = list(args.overrides)
+    flags = {
+        key: f"{flag} {value}"
+        for key, flag, value in (
+            ("task.name", "--task", args.task), ("task.eval_prompts", "--prompts", args.prompts),
+            ("task.eval_temperature", "--temperature", args.temperature),
+        )
+        if value is not None
+    }  # fmt: skip
+    try:  # a key given twice: the last would win silently
+        check_distinct_overrides(overrides, flags)
+    except ConfigError as exc:
+        return _fail(str(exc))
     if args.task is not None:  # (an empty --task '' is refused by the schema, not ignored)
         # The run's own task file or reward function means nothing to another task: cleared
         # first (an override of the user's own, after, still sets one the new task reads).

@@ -188,6 +188,8 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         raise SweepError(f"cannot read sweep file {path}: {exc}; save it as UTF-8") from None
     except (OSError, yaml.YAMLError) as exc:
         raise SweepError(f"cannot read sweep file {path}: {exc}") from None
+    except ConfigError as exc:  # a key given twice (YAML would keep the last silently)
+        raise SweepError(str(exc)) from None
     if not isinstance(data, dict):
         raise SweepError(f"{path}: a sweep file is a mapping with base: and grid: keys")
     unknown = sorted(set(data) - _KEYS)
@@ -244,9 +246,10 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         not isinstance(threshold, int | float)
         or isinstance(threshold, bool)  # YAML's yes / on / true
         or not math.isfinite(threshold)
+        or not 0 <= threshold <= 1  # 50 (a percentage) could never be reached
     ):
         raise SweepError(
-            f"{path}: threshold: must be a number (held-out accuracy), got {threshold!r}"
+            f"{path}: threshold: must be a held-out accuracy between 0 and 1, got {threshold!r}"
         )
     out = output_dir or data.get("output_dir", "runs/sweeps")
     if not isinstance(out, str | Path) or not str(out):

@@ -28,6 +28,7 @@ from staleflow.configs.schema import RunConfig
 __all__ = [
     "ConfigError",
     "apply_overrides",
+    "check_distinct_overrides",
     "dump_config",
     "load_config",
     "parse_config",
@@ -114,6 +115,28 @@ def apply_overrides(
         if origins is not None:
             origins[loc] = f"override {item!r}"
     return data
+
+
+def check_distinct_overrides(
+    overrides: Sequence[str], flags: Mapping[str, str] | None = None
+) -> None:
+    """Refuse a key the command line sets twice, where the last would win without a word: by
+    two overrides, or by an override and the flag for the same key (`flags` maps a key to
+    the flag given for it, e.g. {"rollout.num_workers": "--workers 3"})."""
+    seen: dict[str, str] = {}
+    for given in overrides:
+        key = given.partition("=")[0].strip()
+        if key in seen:
+            raise ConfigError(
+                f"{key} is set twice on the command line ({redact_override(seen[key])!r} and "
+                f"{redact_override(given)!r}); keep one"
+            )
+        seen[key] = given
+    for key, flag in (flags or {}).items():
+        if key in seen:
+            raise ConfigError(
+                f"{flag} and the override {redact_override(seen[key])!r} both set {key}; keep one"
+            )
 
 
 def redact_override(override: str) -> str:
@@ -207,43 +230,20 @@ _BASE60_OR_OCTAL = re.compile(r"[-+]?(?:[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]
 
 def read_yaml(text: str, source: str) -> Any:
     """The data of a YAML (or JSON) document as configs and sweep files read it (YamlLoader;
-    a JSON document's tabs as spaces). Raises yaml.YAMLError, naming `source`."""
-    return yaml.load(named_text(_untabbed(text), source), Loader=YamlLoader)
+    a JSON document's tabs as spaces). Raises yaml.YAMLError, naming `source`, and
+    ConfigError for a key given twice in one mapping (YAML would keep the last silently) or
+    a mapping that holds itself through an alias."""
+    return _read(_untabbed(text), source)[0]
 
 
-def _untabbed(text: str) -> str:
-    if "\t" in text and _is_json(text):
-        # YAML refuses a tab where JSON allows it (indentation); in valid JSON a tab can only
-        # be whitespace (a string holds it escaped), so spaces read the same, line for line
-        return text.replace("\t", " ")
-    return text
+def _read(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
+    """The document's data, and the 1-based line of every key (checked as `read_yaml` says)."""
+    root = yaml.compose(named_text(text, source), Loader=YamlLoader)
+    lines = _key_lines(root, source)
+    return yaml.load(named_text(text, source), Loader=YamlLoader), lines
 
 
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
-    """Parse the document and record the 1-based line of every key."""
-    text = _untabbed(text)
-    try:
-        root = yaml.compose(named_text(text, source), Loader=YamlLoader)
-        data = read_yaml(text, source)  # (no tab left: not checked as JSON again)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{source}:{mark.line + 1}" if mark is not None else source
-        raise ConfigError(redact(f"{where}: not valid YAML: {exc}")) from None  # quotes the line
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"{source}: a config must be a mapping of sections (model, task, rollout, ...), "
-            f"got {type(data).__name__}"
-        )
+def _key_lines(root: yaml.Node | None, source: str) -> dict[Loc, int]:
     lines: dict[Loc, int] = {}
 
     def walk(node: yaml.Node | None, loc: Loc, inside: frozenset[int]) -> None:
@@ -266,6 +266,40 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]
                 walk(value_node, sub, inside)
 
     walk(root, (), frozenset())
+    return lines
+
+
+def _untabbed(text: str) -> str:
+    if "\t" in text and _is_json(text):
+        # YAML refuses a tab where JSON allows it (indentation); in valid JSON a tab can only
+        # be whitespace (a string holds it escaped), so spaces read the same, line for line
+        return text.replace("\t", " ")
+    return text
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]:
+    """Parse the document and record the 1-based line of every key."""
+    try:
+        data, lines = _read(_untabbed(text), source)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        raise ConfigError(redact(f"{where}: not valid YAML: {exc}")) from None  # quotes the line
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{source}: a config must be a mapping of sections (model, task, rollout, ...), "
+            f"got {type(data).__name__}"
+        )
     return data, lines
 
 

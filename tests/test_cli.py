@@ -777,3 +777,28 @@ def test_a_run_that_cannot_start_its_ray_or_actors_ends_in_one_line(tmp_path, ov
     assert out.returncode == 2, out.stderr[-3000:]
     assert re.search(message, out.stderr), out.stderr[-3000:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["config", "configs/tiny.yaml", "run.steps=5", "run.steps=7"],
+         "run.steps is set twice on the command line ('run.steps=5' and 'run.steps=7')"),
+        (["train", "configs/tiny.yaml", "--workers", "3", "rollout.num_workers=5"],
+         "--workers 3 and the override 'rollout.num_workers=5' both set rollout.num_workers"),
+        (["eval", "configs/tiny.yaml", "--prompts", "3", "task.eval_prompts=4"],
+         "--prompts 3 and the override 'task.eval_prompts=4' both set task.eval_prompts"),
+        # a password in either is masked
+        (["config", "configs/tiny.yaml", "buffer.redis_url=redis://:s3cret@h:1/0",
+          "buffer.redis_url=redis://h:2/0"],
+         "buffer.redis_url is set twice on the command line "
+         "('buffer.redis_url=redis://:***@h:1/0' and"),
+    ],
+    ids=["override-twice", "workers-flag", "eval-prompts-flag", "masked"],
+)  # fmt: skip
+def test_a_key_set_twice_on_the_command_line_is_refused(args, message):
+    # the last one won without a word: `train --workers 3 rollout.num_workers=5` ran 3
+    out = staleflow(*args)
+    assert out.returncode == 2, out.stderr
+    assert f"error: {message}" in out.stderr
+    assert "s3cret" not in out.stderr

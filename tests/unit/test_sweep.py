@@ -75,9 +75,24 @@ def test_a_cell_name_over_a_run_names_length_says_so(tmp_path):
         ("grid: {a: [\n", r'in ".*s\.yaml", line 3'),  # the file and line, not <unicode string>
         ("grid: {sync: {x: [1, 2]}}\n", "expected a mapping of dotted config keys"),
         ("grid: {run.seed: [0]}\ncolumns: sync\n", "columns: 'sync' is not an axis"),
-        ("grid: {run.seed: [0]}\nthreshold: high\n", "threshold: must be a number"),
-        ("grid: {run.seed: [0]}\nthreshold: .nan\n", "threshold: must be a number"),
-        ("grid: {run.seed: [0]}\nthreshold: yes\n", "threshold: must be a number"),  # was 1.0
+        ("grid: {run.seed: [0]}\nthreshold: high\n", "threshold: must be a held-out accuracy"),
+        ("grid: {run.seed: [0]}\nthreshold: .nan\n", "threshold: must be a held-out accuracy"),
+        # was 1.0
+        ("grid: {run.seed: [0]}\nthreshold: yes\n", "threshold: must be a held-out accuracy"),
+        # a percentage: "steps to threshold" could never be reached
+        ("grid: {run.seed: [0]}\nthreshold: 50\n", "between 0 and 1, got 50"),
+        # YAML keeps the last of two equal keys without a word: the cell labelled grpo ran
+        # REINFORCE, and seeds 0 and 1 were gone
+        (
+            "grid:\n  algo: {grpo: {learner.loss: {name: grpo}},\n"
+            "         grpo: {learner.loss: {name: reinforce}}}\n",
+            r"s\.yaml:\d+: grid\.algo\.grpo is given twice \(also line \d+\)",
+        ),
+        ("grid:\n  run.seed: [0, 1]\n  run.seed: [2]\n", r"grid\.run\.seed is given twice"),
+        (
+            "overrides:\n  run.steps: 40\n  run.steps: 4\ngrid: {run.seed: [0]}\n",
+            r"overrides\.run\.steps is given twice",
+        ),
         ("grid: {run.name: [!!set {a}]}\n", r"run\.name: \{'a'\} is not a config value"),
         ("grid: {sync: {bad: {sync.interval: 0}}}\n", r"(?s)cell bad: .*sync\.interval"),
         # YAML reads an unquoted on / off / yes / no as a boolean, which is no label
