@@ -118,6 +118,10 @@ class RunDirBusy(RuntimeError):
     """Another process holds the run directory (a driver still running there)."""
 
 
+# The sections of the resolved config every run directory's config.json holds.
+RUN_SECTIONS = frozenset({"model", "task", "rollout", "buffer", "learner", "sync", "run"})
+
+
 class RunDir:
     """Paths of one run directory (see the module docstring)."""
 
@@ -168,6 +172,19 @@ class RunDir:
             raise FileNotFoundError(
                 f"{self.path} is a Hugging Face model directory, not a staleflow run "
                 "directory; pass the directory `staleflow train` printed, e.g. runs/<name>"
+            )
+        # Any other config.json (a model's with .bin weights, some tool's): a report or a
+        # resume would write over files there. A run's is the resolved config, every section.
+        try:
+            config = json.loads(self.config.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+            config = None
+        missing = RUN_SECTIONS - set(config) if isinstance(config, dict) else RUN_SECTIONS
+        if missing:
+            raise FileNotFoundError(
+                f"{self.path} is not a staleflow run directory: its config.json is not a "
+                f"run's resolved config (no {', '.join(sorted(missing))} section); pass the "
+                "directory `staleflow train` printed, e.g. runs/<name>"
             )
         return self
 

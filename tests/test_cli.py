@@ -802,3 +802,28 @@ def test_a_key_set_twice_on_the_command_line_is_refused(args, message):
     assert out.returncode == 2, out.stderr
     assert f"error: {message}" in out.stderr
     assert "s3cret" not in out.stderr
+
+
+def test_a_directory_with_another_config_json_is_not_taken_for_a_run(tmp_path):
+    # Any directory holding a config.json passed as a run: `report` wrote its report.html and
+    # plots over a model directory's files (.bin weights, so not recognised as a model), and
+    # `train --resume` left a .lock in a directory holding only a config.json.
+    model = tmp_path / "binmodel"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    (model / "pytorch_model.bin").write_bytes(b"weights")
+    (model / "report.html").write_text("MY NOTES")
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{not json")
+    for args, where in [(["report", str(model)], model), (["train", "--resume", str(bare)], bare)]:
+        out = staleflow(*args)
+        assert out.returncode == 2, out.stderr
+        assert f"{where} is not a staleflow run directory: its config.json is not a run's" in (
+            out.stderr
+        )
+    assert (model / "report.html").read_text() == "MY NOTES"
+    assert sorted(p.name for p in model.iterdir()) == [
+        "config.json", "pytorch_model.bin", "report.html"
+    ]  # fmt: skip
+    assert sorted(p.name for p in bare.iterdir()) == ["config.json"]

@@ -15,6 +15,7 @@ from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.sweep import load_sweep, run_sweep
 from staleflow.cluster.sweep_report import write_sweep_report
 from staleflow.cluster.trajectories import read_trajectories, replay
+from staleflow.configs import dump_config, load_config
 from tests.integration.tiny import TINY, run_driver
 
 # one xdist worker runs the whole module: the sweep it checks is a module fixture (run once)
@@ -138,7 +139,7 @@ def test_replay_says_what_it_compared_and_names_a_damaged_step(async_run, tmp_pa
 
 def test_replay_refuses_a_run_without_trajectories(tmp_path):
     run = RunDir.create(str(tmp_path), "bare")
-    run.config.write_text(json.dumps({"model": {"preset": "tiny"}}))
+    run.config.write_text(dump_config(load_config(REPO / "configs/tiny.yaml")))
     proc = cli("replay", str(run.path))
     assert proc.returncode == 2
     assert "no recorded trajectories" in proc.stderr

@@ -86,8 +86,11 @@ def test_report_and_scale_refuse_a_directory_that_is_not_a_run(tmp_path, capsys)
 
 
 def test_scale_refuses_a_run_that_is_not_running(tmp_path, capsys):
+    from staleflow.configs import parse_config
+    from staleflow.configs.loader import dump_config
+
     run = RunDir.create(str(tmp_path), "r")
-    run.config.write_text("{}")
+    run.config.write_text(dump_config(parse_config("model: {preset: tiny}\n")))
     run.status.write_text(json.dumps({"state": "completed", "workers": 2}))
     assert main(["scale", str(run.path), "--workers", "4"]) == 2
     assert "is not running (state: completed)" in capsys.readouterr().err
@@ -142,13 +145,18 @@ def test_scale_refuses_to_grow_an_ipc_run_past_the_workers_it_reserved(tmp_path,
 def test_scale_refuses_zero_workers_and_an_unreadable_config_without_a_traceback(tmp_path, capsys):
     run = RunDir.create(str(tmp_path), "r")
     run.status.write_text(json.dumps({"state": "running", "workers": 2}))
-    run.config.write_text("{}")  # e.g. a config from before sync.method existed
+    from staleflow.configs import parse_config
+    from staleflow.configs.loader import dump_config
+
+    config = json.loads(dump_config(parse_config("model: {preset: tiny}\n")))
+    del config["sync"]["method"]  # e.g. a config from before sync.method existed
+    run.config.write_text(json.dumps(config))
     assert main(["scale", str(run.path), "--workers", "0"]) == 2
     assert "--workers must be at least 1, got 0" in capsys.readouterr().err
     assert main(["scale", str(run.path), "--workers", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot read the run's config" in err
-    assert "KeyError('sync')" in err
+    assert "KeyError('method')" in err
     assert "Traceback" not in err
     assert not (run.control / "scale.json").exists()
 
