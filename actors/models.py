@@ -220,6 +220,37 @@ def _check_dir(path: Path) -> None:
             f"continue that run with `staleflow train --resume {path}`, or set model.path "
             "to a model directory"
         )
+    # What loading needs, checked here before any process starts (loading happens in the
+    # learner and worker actors, after Ray and the run directory): nothing is read but
+    # config.json and the file names.
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # (UnicodeDecodeError is a ValueError)
+        raise ModelError(
+            f"{path / 'config.json'} is not a model config (not readable JSON: {exc})"
+        ) from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ModelError(
+            f"{path / 'config.json'} has no model_type, which transformers needs to choose "
+            "the model's class: is this a Hugging Face model directory?"
+        )
+    names = {p.name for p in path.iterdir()}
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        raise ModelError(
+            f"{path} has no weights (model.safetensors, pytorch_model.bin or their shards); "
+            "save the model there with save_pretrained"
+        )
+    if not names & _TOKENIZER_FILES:
+        raise ModelError(
+            f"{path} has no tokenizer ({', '.join(sorted(_TOKENIZER_FILES))}); save the "
+            "model's tokenizer there with save_pretrained"
+        )
+
+
+# Any one of these is a tokenizer transformers can load (fast, sentencepiece or byte BPE).
+_TOKENIZER_FILES = frozenset(
+    {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}
+)
 
 
 def _load_dir(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:

@@ -358,6 +358,11 @@ def test_eval_refuses_bad_options_and_a_broken_model_directory_in_one_line(tmp_p
     (broken / "model.safetensors").write_bytes(b"")
     out = staleflow("eval", str(broken), "--task", "digits")
     assert out.returncode == 2
+    assert f"{broken / 'config.json'} is not a model config (not readable JSON" in out.stderr
+    (broken / "config.json").write_text('{"model_type": "gpt2"}')
+    (broken / "tokenizer.json").write_text("{}")
+    out = staleflow("eval", str(broken), "--task", "digits")  # every file there, unloadable
+    assert out.returncode == 2
     assert f"cannot load the model in {broken}" in out.stderr
     assert "Traceback" not in out.stderr
 

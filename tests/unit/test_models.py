@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import threading
 import time
 
@@ -12,7 +13,13 @@ import torch
 from staleflow.actors import models
 from staleflow.actors.engine import SamplingParams
 from staleflow.actors.hf_engine import HFEngine
-from staleflow.actors.models import ModelError, load_model, tiny_dir, tiny_model
+from staleflow.actors.models import (
+    ModelError,
+    check_model_source,
+    load_model,
+    tiny_dir,
+    tiny_model,
+)
 from staleflow.configs.schema import ModelConfig
 
 
@@ -46,6 +53,31 @@ def test_missing_directory(tmp_path):
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelError, match=r"has no config\.json"):
         load_model(ModelConfig(path=str(tmp_path)))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda d: (d / "config.json").write_text("{}"), r"config\.json has no model_type"),
+        (lambda d: (d / "config.json").write_bytes(b"\xff\xfe"), "not readable JSON"),
+        (lambda d: (d / "model.safetensors").unlink(), r"has no weights \(model\.safetensors"),
+        (lambda d: [(d / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
+         "has no tokenizer"),
+    ],
+    ids=["no-model-type", "not-utf8", "no-weights", "no-tokenizer"],
+)  # fmt: skip
+def test_a_directory_that_cannot_load_is_named_before_anything_starts(
+    tmp_path, monkeypatch, damage, message
+):
+    # `staleflow config` (and train's checks before Ray) passed each of these: only
+    # config.json's existence was checked, and the load failed later in the actors
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model"
+    shutil.copytree(tiny_dir(seed=0), path)
+    check_model_source(ModelConfig(path=str(path)))  # whole, it passes
+    damage(path)
+    with pytest.raises(ModelError, match=message):
+        check_model_source(ModelConfig(path=str(path)))
 
 
 def test_corrupt_weights_are_reported_with_the_path(tmp_path, monkeypatch):
