@@ -29,14 +29,43 @@ class Frozen(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """Also inside lists and mappings of numbers (betas: [no, no] was (0.0, 0.0)), and no
+        NUL character in any text (no path or name can hold one: it failed in os.mkdir)."""
         if isinstance(data, dict):
             for key, value in data.items():
                 field = cls.model_fields.get(key)
-                if isinstance(value, bool) and field is not None:
-                    kinds = _kinds(field.annotation)
-                    if bool not in kinds and kinds & {int, float}:
-                        raise ValueError(f"{key}: expected a number, got {str(value).lower()}")
+                if field is None:
+                    continue
+                if not _is_model(field.annotation) and _has_nul(value):  # (a section: its own)
+                    raise ValueError(
+                        f"{key}: holds a NUL character (\\0): remove it (no path, name or "
+                        "text of a config may hold one)"
+                    )
+                kinds = _kinds(field.annotation)
+                if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+                    raise ValueError(f"{key}: expected a number, got {str(value).lower()}")
+                items = value.values() if isinstance(value, dict) else value
+                if isinstance(value, list | tuple | dict) and any(
+                    isinstance(v, bool) for v in items
+                ):
+                    inner = _element_kinds(field.annotation)
+                    if bool not in inner and inner & {int, float}:
+                        raise ValueError(f"{key}: expected numbers, got {value!r}")
         return data
+
+
+def _is_model(annotation: Any) -> bool:
+    return any(isinstance(k, type) and issubclass(k, BaseModel) for k in _kinds(annotation))
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\0" in value
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(v) for v in value)
+    return False
 
 
 def _kinds(annotation: Any) -> set[Any]:
@@ -44,6 +73,21 @@ def _kinds(annotation: Any) -> set[Any]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType, Annotated):
         return set().union(*(_kinds(a) for a in typing.get_args(annotation)))
     return {annotation}
+
+
+def _element_kinds(annotation: Any) -> set[Any]:
+    """The plain types the elements of a list, tuple or mapping annotation admit (a
+    mapping's values), through Optional / unions / Annotated; empty for anything else."""
+    out: set[Any] = set()
+    for kind in _kinds(annotation):
+        origin, args = typing.get_origin(kind), typing.get_args(kind)
+        if origin is dict and len(args) == 2:
+            out |= _kinds(args[1])
+        elif origin in (list, tuple, set, frozenset):
+            for arg in args:
+                if arg is not Ellipsis:
+                    out |= _kinds(arg)
+    return out
 
 
 class AdvantageConfig(Frozen):

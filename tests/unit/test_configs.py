@@ -213,6 +213,12 @@ def test_leftover_parameters_after_switching_preset_are_reported():
         (MINIMAL, ["buffer.redis_url=redis://127.0.0.1:0"], "no valid port"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/abc"], "database 'abc'"),
         (MINIMAL, ["buffer.redis_url=unix://"], "socket's path"),
+        # a traceback from os.mkdir / open ("embedded null byte") after the config loaded
+        (MINIMAL, ['run.output_dir="runs\\0x"'], r"run\.output_dir: holds a NUL character"),
+        (MINIMAL, ['rollout.stop=["a\\0"]'], r"rollout\.stop: holds a NUL character"),
+        # booleans inside lists and mappings of numbers: betas [no, no] were (0.0, 0.0)
+        (MINIMAL, ["learner.optimizer.betas=[no, no]"], "betas: expected numbers, got"),
+        (MINIMAL, ["rollout.resources={x: yes}"], "rollout.resources: expected numbers, got"),
         # each of these was accepted, and redis-py then connected elsewhere than written:
         # localhost, /redis.sock, database 3
         (MINIMAL, ["buffer.redis_url=redis://:pw@:6379/0"], "has no host"),
