@@ -162,9 +162,12 @@ def check_before_start(cfg: Any, *, held_out: bool = True) -> None:
     from staleflow.cluster.resources import check_sync_method
     from staleflow.cluster.schedule import check_schedule
     from staleflow.configs import ConfigError
+    from staleflow.configs.schema import unread_settings
 
     check_schedule(cfg)
     check_sync_method(cfg)
+    for unread in unread_settings(cfg):
+        logging.getLogger("staleflow.configs").warning("%s", unread)
     task = make_task(cfg.task)
     if held_out:  # an empty held-out set, refused now (not by every evaluation of the run)
         task.eval_prompts(min(cfg.task.eval_prompts, 1))

@@ -653,6 +653,11 @@ class SyncConfig(Frozen):
 
     @model_validator(mode="after")
     def _checkpoint_dir_is_read(self) -> SyncConfig:
+        if self.checkpoint_dir == "":  # it became <run dir>/weights without a word
+            raise ValueError(
+                "checkpoint_dir is empty: give a directory every node reaches, or null for "
+                "<run dir>/weights"
+            )
         if self.checkpoint_dir is not None and self.method != "checkpoint":  # silently unused
             raise ValueError(
                 f"checkpoint_dir: only sync.method checkpoint reads it, and the method is "
@@ -729,3 +734,54 @@ class RunConfig(Frozen):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight-sync schedule.")
     run: RunSection = Field(default_factory=RunSection, description="Length, seed and output.")
+
+
+_ARITHMETIC_ONLY = ("difficulty", "operations", "format_reward")
+
+
+def unread_settings(cfg: RunConfig) -> list[str]:
+    """Settings changed from their defaults that this run never reads, each with why: said
+    (as warnings) before a run starts, rather than refused, since a config switched to
+    another task or engine by one override keeps the old one's settings. The settings that
+    name a file or function (task.path, ...), or whose schedule or method is absent
+    (warmup_steps, checkpoint_dir, ...), are refused instead, by the sections' validators."""
+    out: list[str] = []
+    task, defaults = cfg.task, TaskConfig()
+    if task.name != "arithmetic":
+        for key in _ARITHMETIC_ONLY:
+            if getattr(task, key) != getattr(defaults, key):
+                out.append(
+                    f"task.{key} is ignored: only task 'arithmetic' reads it, not {task.name!r}"
+                )
+    holds_out = task.name in ("arithmetic", "custom") or (
+        task.name == "gsm8k" and task.eval_path is None
+    )
+    if not holds_out and task.eval_fraction != defaults.eval_fraction:
+        why = "it evaluates on task.eval_path" if task.name == "gsm8k" else "it draws its own"
+        out.append(f"task.eval_fraction is ignored by task {task.name!r}: {why} held-out set")
+    if cfg.rollout.engine != "vllm":
+        changed = [
+            key
+            for key in VLLMConfig.model_fields
+            if getattr(cfg.rollout.vllm, key) != getattr(VLLMConfig(), key)
+        ]
+        if changed:
+            keys = ", ".join(f"rollout.vllm.{key}" for key in changed)
+            out.append(f"{keys} ignored: only rollout.engine vllm reads them, not "
+                       f"{cfg.rollout.engine!r}")  # fmt: skip
+    if cfg.model.path is not None and cfg.model.seed != ModelConfig.model_fields["seed"].default:
+        out.append("model.seed is ignored: it builds only the 'tiny' preset's weights")
+    if cfg.learner.reference_model and cfg.learner.loss.kl_coef == 0:
+        out.append(
+            "learner.reference_model: true with learner.loss.kl_coef 0: every learner rank "
+            "holds a copy of the model and runs it each step for a KL term weighted 0 (set "
+            "kl_coef, or drop reference_model)"
+        )
+    optimizer = cfg.learner.optimizer
+    if optimizer.schedule == "warmup_cosine" and optimizer.warmup_steps >= cfg.run.steps:
+        out.append(
+            f"learner.optimizer.warmup_steps={optimizer.warmup_steps} is not less than "
+            f"run.steps={cfg.run.steps}: the learning rate never reaches learner.optimizer.lr, "
+            "and min_lr_ratio never applies"
+        )
+    return out

@@ -226,6 +226,8 @@ def test_leftover_parameters_after_switching_preset_are_reported():
          "has 'tmp' before its path, which redis-py drops"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/0?db=3"], "names its database twice"),
         (MINIMAL, ["buffer.max_reuse=3"], "only applies to sampling: replay"),
+        (MINIMAL, ["sync.method=checkpoint", "sync.checkpoint_dir=''"],
+         "checkpoint_dir is empty"),  # it became <run dir>/weights without a word
         (MINIMAL, ["learner.loss.name=opmd", "learner.loss.kl_coef=0.1"], "reference_model: true"),
         (MINIMAL, ["learner.loss.epsilon_low=0.1"], r"learner.loss.name: required.*grpo"),
         (MINIMAL, ["learner.optimizer.betas=[0.9, 1.5]"], "beta"),
@@ -647,3 +649,43 @@ def test_a_vllm_engine_may_not_take_more_gpu_memory_than_its_share_of_the_gpu():
                                 "rollout.vllm.gpu_memory_utilization=0.9"])  # fmt: skip
     assert whole.rollout.vllm.gpu_memory_utilization == 0.9  # a GPU of its own
     assert parse_config(MINIMAL, ["rollout.gpus_per_worker=0.25"]).rollout.engine == "hf"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["task.name=digits", "task.difficulty=3", "task.format_reward=0.5"],
+         ["task.difficulty is ignored: only task 'arithmetic' reads it, not 'digits'",
+          "task.format_reward is ignored: only task 'arithmetic' reads it, not 'digits'"]),
+        (["task.name=digits", "task.eval_fraction=0.5"],
+         ["task.eval_fraction is ignored by task 'digits': it draws its own held-out set"]),
+        (["rollout.vllm.max_model_len=64", "rollout.vllm.gpu_memory_utilization=0.9"],
+         ["rollout.vllm.gpu_memory_utilization, rollout.vllm.max_model_len ignored: only "
+          "rollout.engine vllm reads them, not 'hf'"]),
+        (["model.preset=null", "model.path=/m", "model.seed=3"],
+         ["model.seed is ignored: it builds only the 'tiny' preset's weights"]),
+        (["learner.reference_model=true"], ["learner.reference_model: true with"]),
+        (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=1000",
+          "run.steps=10"], ["learner.optimizer.warmup_steps=1000 is not less than run.steps=10"]),
+        # read: nothing said
+        (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=5",
+          "run.steps=10", "task.difficulty=3", "task.eval_fraction=0.5"], []),
+    ],
+    ids=["arithmetic-only", "eval-fraction", "vllm-with-hf", "model-seed", "reference", "warmup",
+         "all-read"],
+)  # fmt: skip
+def test_settings_a_run_never_reads_are_named(overrides, said):
+    # each was accepted without a word: a user believed the run used them
+    from staleflow.configs.schema import unread_settings
+
+    got = unread_settings(parse_config(MINIMAL, overrides))
+    assert len(got) == len(said), got
+    for line, start in zip(got, said, strict=True):
+        assert line.startswith(start), (line, start)
+
+
+def test_the_shipped_configs_set_nothing_they_do_not_read():
+    from staleflow.configs.schema import unread_settings
+
+    for path in [*(REPO / "configs").glob("*.yaml"), *(REPO / "configs/paper").glob("*.yaml")]:
+        assert unread_settings(load_config(path)) == [], path
