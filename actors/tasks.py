@@ -416,22 +416,41 @@ def _read_gsm8k(path: Path) -> list[Prompt]:
     return rows
 
 
+class _RepeatedKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKey(key)
+        out[key] = value
+    return out
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
         # JSON Lines end at "\n" only: str.splitlines() would also split at U+2028, U+0085,
         # form feeds..., which JSON strings may hold unescaped. A byte-order mark is skipped.
         lines = path.read_text(encoding="utf-8-sig").split("\n")
     except FileNotFoundError:
-        raise TaskError(f"{path}: no such file (task data is read from local files)") from None
+        relative = "" if path.is_absolute() else f", relative to the working directory {Path.cwd()}"
+        raise TaskError(
+            f"{path}: no such file (task data is read from local files{relative})"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise TaskError(f"{path}: cannot read: {exc}") from None
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line.removesuffix("\r"))
+            obj = json.loads(line.removesuffix("\r"), object_pairs_hook=_once_each)
         except json.JSONDecodeError as exc:
             raise TaskError(f"{path}:{line_no}: not valid JSON: {exc.msg}") from None
+        except _RepeatedKey as exc:  # json keeps the last without a word
+            raise TaskError(f"{path}:{line_no}: the key {exc.key!r} is given twice") from None
         if not isinstance(obj, dict):
             raise TaskError(f"{path}:{line_no}: expected a JSON object")
         try:  # a \ud83d escape alone decodes to a lone surrogate: no character, no UTF-8

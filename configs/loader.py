@@ -61,7 +61,9 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> RunConfig:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}; save it as UTF-8") from None
+    except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     return parse_config(text, overrides, source=str(path))
 
@@ -101,6 +103,8 @@ def apply_overrides(
             value = yaml.load(raw, Loader=YamlLoader) if raw.strip() else ""
         except yaml.YAMLError as exc:
             message = f"override {item!r}: value is not valid YAML: {exc}"
+            if "alias" in str(exc):  # task.operations=[*]: YAML's alias mark
+                message += "\n(quote a value that starts with * or &, e.g. \"['*']\")"
             raise ConfigError(_mask_urls_in_mappings(redact(message))) from None
         node = data
         for depth, part in enumerate(loc[:-1]):
@@ -328,10 +332,18 @@ def _describe(
         elif err["type"] in ("model_attributes_type", "model_type", "dict_type") and loc:
             section = ".".join(loc)
             example = f" (e.g. {section}.name=grpo)" if section == "learner.loss" else ""
-            msg = (
-                f"{section} is a section, not a value: set its keys one by one, "
-                f"{section}.KEY=VALUE{example}, or give a mapping, '{section}={{KEY: VALUE}}'"
-            )
+            if err.get("input") is None and not origins.get(loc, "").startswith("override "):
+                # `run:` with nothing below it, in a file: YAML reads it as null
+                msg = (
+                    f"{section} is empty (YAML reads a key with nothing after it as null): "
+                    f"indent its keys below it, or remove the line"
+                )
+            else:
+                msg = (
+                    f"{section} is a section, not a value: set its keys one by one, "
+                    f"{section}.KEY=VALUE{example}, or give a mapping, "
+                    f"'{section}={{KEY: VALUE}}'"
+                )
         elif err["type"] == "missing":
             msg, show_input = "required key is missing", False
         elif err["type"] == "union_tag_not_found":
@@ -364,6 +376,8 @@ def _describe(
                 and _BASE60_OR_OCTAL.fullmatch(value)
             ):  # a number field given minutes:seconds
                 msg += "; write one plain number: 1:30 is not read as 90 (base 60)"
+        if err["type"] == "string_type" and "input" in err and err["input"] is None:
+            msg += " (YAML reads ~, null and an empty value as null: quote text, e.g. '~/runs')"
         if err["type"] == "string_type" and isinstance(
             err.get("input"), bool | int | float | datetime.date
         ):  # YAML read the text as a number, a date or (yes/no/on/off) a boolean

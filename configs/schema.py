@@ -35,9 +35,17 @@ _TASK_NAME = re.compile(r"^(arithmetic|digits|gsm8k|custom|reasoning_gym:[A-Za-z
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _WEEK_S = 7 * 86400.0  # the bound on timeouts: an infinite one overflows where it is used
 _SEED_MAX = 2**32 - 1  # seeds are combined with batch numbers into torch's 64-bit seeds
+
+
 # A path as a shell would read it: ~ and ~user are the home directory (a YAML file's
 # `output_dir: ~/runs` would otherwise make a directory named '~' here).
-UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
+def _user_path(value: str) -> str:
+    if not value.strip():  # '' was read as '.', the working directory
+        raise ValueError("is empty: give a path, or null where the key may be left unset")
+    return os.path.expanduser(value)
+
+
+UserPath = Annotated[str, AfterValidator(_user_path)]
 
 
 class ModelConfig(Frozen):
@@ -653,11 +661,6 @@ class SyncConfig(Frozen):
 
     @model_validator(mode="after")
     def _checkpoint_dir_is_read(self) -> SyncConfig:
-        if self.checkpoint_dir == "":  # it became <run dir>/weights without a word
-            raise ValueError(
-                "checkpoint_dir is empty: give a directory every node reaches, or null for "
-                "<run dir>/weights"
-            )
         if self.checkpoint_dir is not None and self.method != "checkpoint":  # silently unused
             raise ValueError(
                 f"checkpoint_dir: only sync.method checkpoint reads it, and the method is "

@@ -226,8 +226,13 @@ def test_leftover_parameters_after_switching_preset_are_reported():
          "has 'tmp' before its path, which redis-py drops"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/0?db=3"], "names its database twice"),
         (MINIMAL, ["buffer.max_reuse=3"], "only applies to sampling: replay"),
+        # '' was the working directory: ". is a directory"
+        (MINIMAL, ["task.name=gsm8k", "task.path="], r"task\.path: is empty: give a path"),
+        (MINIMAL + "run:\n", [], r"run: run is empty \(YAML reads a key with nothing after"),
+        (MINIMAL + "run: {output_dir: ~}\n", [], r"YAML reads ~, null and an empty value as"),
+        (MINIMAL, ["task.operations=[*]"], r"quote a value that starts with \* or &"),
         (MINIMAL, ["sync.method=checkpoint", "sync.checkpoint_dir=''"],
-         "checkpoint_dir is empty"),  # it became <run dir>/weights without a word
+         r"checkpoint_dir: is empty"),  # it became <run dir>/weights without a word
         (MINIMAL, ["learner.loss.name=opmd", "learner.loss.kl_coef=0.1"], "reference_model: true"),
         (MINIMAL, ["learner.loss.epsilon_low=0.1"], r"learner.loss.name: required.*grpo"),
         (MINIMAL, ["learner.optimizer.betas=[0.9, 1.5]"], "beta"),
@@ -283,6 +288,13 @@ def test_url_passwords_are_masked_in_errors():
     assert "redis://, rediss://" in str(err.value)
     assert "s3cret" not in str(err.value)
     assert "user:***@host" in str(err.value)
+
+
+def test_a_config_file_not_in_utf8_says_to_save_it_so(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(MINIMAL.encode() + "run: {name: caf\u00e9}\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"cannot read config file .*; save it as UTF-8"):
+        load_config(path)
 
 
 def test_missing_file():

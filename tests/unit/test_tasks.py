@@ -271,6 +271,9 @@ def test_gsm8k_reads_local_jsonl_and_scores_final_numbers(tmp_path):
         ([{"question": "q", "answer": "#### 1/2"}], r"must be one number .* got '1/2'"),
         ([{"question": "q", "answer": "#### 5 apples, 6 pears"}], r"got '5 apples, 6 pears'"),
         (['{"question": "q \\ud83d", "answer": "#### 1"}'], r"train.jsonl:1: .*'\\ud83d', half"),
+        # json keeps the last of two equal keys: the line was read as answer 2, silently
+        (['{"question": "q", "answer": "#### 1", "answer": "#### 2"}'],
+         r"train.jsonl:1: the key 'answer' is given twice"),
     ],
 )
 def test_gsm8k_broken_lines_name_file_and_line(tmp_path, rows, message):
@@ -278,9 +281,13 @@ def test_gsm8k_broken_lines_name_file_and_line(tmp_path, rows, message):
         GSM8KTask(str(write_jsonl(tmp_path / "train.jsonl", rows)))
 
 
-def test_gsm8k_missing_file(tmp_path):
-    with pytest.raises(TaskError, match=r"nope.jsonl: no such file"):
+def test_gsm8k_missing_file(tmp_path, monkeypatch):
+    with pytest.raises(TaskError, match=r"nope.jsonl: no such file \(task data is read from "
+                       r"local files\)"):  # fmt: skip
         GSM8KTask(str(tmp_path / "nope.jsonl"))
+    monkeypatch.chdir(tmp_path)  # a relative path: where it was looked for
+    with pytest.raises(TaskError, match=f"relative to the working directory {tmp_path}"):
+        GSM8KTask("nope.jsonl")
 
 
 def test_custom_task_reward_by_import_path(tmp_path, monkeypatch):
