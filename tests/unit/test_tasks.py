@@ -272,8 +272,10 @@ def test_gsm8k_reads_local_jsonl_and_scores_final_numbers(tmp_path):
         ([{"question": "q", "answer": "#### 5 apples, 6 pears"}], r"got '5 apples, 6 pears'"),
         (['{"question": "q \\ud83d", "answer": "#### 1"}'], r"train.jsonl:1: .*'\\ud83d', half"),
         # json keeps the last of two equal keys: the line was read as answer 2, silently
-        (['{"question": "q", "answer": "#### 1", "answer": "#### 2"}'],
-         r"train.jsonl:1: the key 'answer' is given twice"),
+        (
+            ['{"question": "q", "answer": "#### 1", "answer": "#### 2"}'],
+            r"train.jsonl:1: the key 'answer' is given twice",
+        ),
     ],
 )
 def test_gsm8k_broken_lines_name_file_and_line(tmp_path, rows, message):
