@@ -18,6 +18,29 @@ SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
+# Where the host's pip finds packages (a local wheel folder holds the CPU torch): the same
+# settings, and the folders mounted read-only into the build.
+# The first of `pip config list`'s values for a key ($PIP_* and $PIP_CONFIG_FILE first, as pip
+# reads them; `pip config get global.KEY` sees neither).
+pip_settings=$(python3 -m pip config list 2>/dev/null || true)
+pip_get() {
+  local line key value
+  while IFS= read -r line; do
+    key=${line%%=*} value=${line#*=}
+    if [ "${key##*.}" = "$1" ]; then value=${value#\'}; printf '%s\n' "${value%\'}"; return; fi
+  done <<<"$pip_settings"
+}
+find_links=$(pip_get find-links); extra_index=$(pip_get extra-index-url)
+# Build args are kept in the image's history (`podman history`): a URL with a user or a
+# token in it would be published with the image.
+case "$find_links $extra_index" in
+  *://*@*)
+    echo "error: the host's pip find-links / extra-index-url holds credentials (user@ or" \
+      "user:token@), which build args would store in the image's history; use an index" \
+      "without them (a local mirror or wheel folder)" >&2
+    exit 1 ;;
+esac
+
 step "podman, runc, debootstrap"
 if ! { command -v podman && command -v runc && command -v debootstrap; } >/dev/null; then
   $SUDO apt-get update -qq
@@ -48,10 +71,6 @@ if ! podman image exists docker.io/library/debian:bookworm-slim; then
   podman tag localhost/debian:bookworm docker.io/library/debian:bookworm-slim
 fi
 
-# Where the host's pip finds packages (a local wheel folder holds the CPU torch): the same
-# settings, and the folders mounted read-only into the build.
-pip_get() { python3 -m pip config get "global.$1" 2>/dev/null || true; }
-find_links=$(pip_get find-links); extra_index=$(pip_get extra-index-url)
 build_args=() mounts=()
 [ -n "$find_links" ] && build_args+=(--build-arg "PIP_FIND_LINKS=$find_links")
 [ -n "$extra_index" ] && build_args+=(--build-arg "PIP_EXTRA_INDEX_URL=$extra_index")

@@ -241,3 +241,23 @@ def test_rayjob_matches_the_kuberay_crd():
               for e in jsonschema.Draft7Validator(schema).iter_errors(rayjob)]  # fmt: skip
     assert errors == []
     assert _unknown_fields(rayjob, schema) == []
+
+
+def test_image_build_refuses_pip_urls_with_credentials_before_building(tmp_path):
+    # docker/build.sh passes the host's pip index URLs as build args, which the image's
+    # history keeps: a token in one would be published with the image
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nextra-index-url = https://ci:s3cret@pypi.example/simple\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("apt-get", "podman", "sudo", "debootstrap"):  # nothing may be installed or run
+        (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} ran >&2\nexit 97\n")
+        (bin_dir / tool).chmod(0o755)
+    env = {**os.environ, "PIP_CONFIG_FILE": str(conf), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    out = subprocess.run(
+        ["bash", str(REPO / "docker" / "build.sh")], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert "holds credentials (user@ or user:token@)" in out.stderr
+    assert " ran" not in out.stderr
