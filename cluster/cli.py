@@ -103,8 +103,13 @@ def _cmd_buffer_stats(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"run {Path(args.run_dir).name} is not running (state: {state}): its embedded "
                 'Redis stopped with it. Its final counts are under "groups" in '
-                f"{Path(args.run_dir) / 'summary.json'}; `staleflow train --resume` starts the "
-                "server again with the buffer as it was"
+                f"{Path(args.run_dir) / 'summary.json'}"
+                + (
+                    ""
+                    if state == "completed"  # a resume of it is refused (nothing to do)
+                    else "; `staleflow train --resume` starts the server again with the buffer "
+                    "as it was, and goes on training"
+                )
             )
         if (
             args.run_dir

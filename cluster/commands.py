@@ -301,6 +301,7 @@ def _hold(held: contextlib.ExitStack, run: Any) -> None:
 
 
 def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
+    began = time.monotonic()
     from staleflow.actors.models import ModelError
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.failures import ClusterUnreachable
@@ -423,7 +424,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         print(f"error: the resume stopped before it changed the run ({summary['resume_abandoned']}"
               f"); {run.path} is as it was", file=sys.stderr)  # fmt: skip
     else:
-        _print_summary(run, summary)
+        _print_summary(run, summary, time.monotonic() - began)
     if summary["status"] == "interrupted":  # 128 + the signal, as a shell reports it
         return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0 if summary["status"] == "completed" else 1
@@ -492,14 +493,21 @@ def _stderr_warnings() -> logging.Handler:
     return handler
 
 
-def _print_summary(run: Any, summary: dict[str, Any]) -> None:
+def _took(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
+
+
+def _print_summary(run: Any, summary: dict[str, Any], total_s: float | None = None) -> None:
+    """The run's end, for the terminal: `total_s` is the command's whole time (start-up,
+    evaluations and shutdown included), beside the training's (`wall_s`, from the first
+    step's start)."""
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     groups = summary.get("groups", {})
-    wall = float(summary.get("wall_s", 0))
-    took = f"{wall:.0f} s" if wall < 60 else f"{wall / 60:.1f} min"
-    lines = [
-        f"run {summary['run_id']}: {summary['status']} after {summary['steps']} steps in {took}"
-    ]
+    took = _took(float(summary.get("wall_s", 0)))
+    if total_s is not None:
+        took += f" ({_took(total_s)} in all, with start-up and shutdown)"
+    # the directory's name, which is what a user types next (run_id adds the run's key)
+    lines = [f"run {run.path.name}: {summary['status']} after {summary['steps']} steps in {took}"]
     if before is not None and after is not None:
         lines.append(
             f"held-out accuracy: {before:.3f} before -> {after:.3f} after ({after - before:+.3f})"

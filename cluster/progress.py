@@ -7,6 +7,7 @@ every `log_every` steps instead, so logs stay readable.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -18,26 +19,43 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 from rich.progress import Progress as RichProgress
+from rich.table import Column
 
 __all__ = ["Progress"]
 
 
 class Progress:
-    def __init__(self, run_name: str, log_every: int = 1, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        run_name: str,
+        log_every: int = 1,
+        console: Console | None = None,
+        clock: Callable[[], float] | None = None,  # (tests: a fake clock)
+    ) -> None:
         self.console = console or Console(stderr=True)
         self.run_name, self.log_every = run_name, log_every
         self.live = self.console.is_terminal
         self.accuracy: float | None = None
+        # Step N/M, time and ETA first, at fixed widths; the stats take what is left of the
+        # line and are cut at its end (at 80 columns the run name and stats pushed the step
+        # count and the ETA off the line). The run name was printed when the run started.
         self.bar = RichProgress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
+            BarColumn(bar_width=16),
             TimeElapsedColumn(),
             TextColumn("ETA"),
             TimeRemainingColumn(),
+            TextColumn(
+                "{task.fields[stats]}",
+                table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1),
+            ),
             console=self.console,
             disable=not self.live,
+            # the ETA from the steps of the last hour: rich's 30 s default gave no estimate
+            # at all once steps were more than 30 s apart (the CPU demo's are ~50 s)
+            speed_estimate_period=3600.0,
+            expand=True,
+            get_time=clock,
         )
         self.task: Any = None
 

@@ -556,7 +556,9 @@ def _ray_for(sweep: Sweep, todo: list[Cell], address: str | None) -> Iterator[No
         (sweep.config(c) for c in todo),
         key=lambda c: c.rollout.num_workers * c.rollout.cpus_per_worker,
     )
-    start_ray(address, widest, log_to_driver=False)  # each cell's log is in its run directory
+    # each cell's driver.log is in its run directory; actors' output stays in Ray's session
+    # directory (README, "Every run writes ...")
+    start_ray(address, widest, log_to_driver=False)
     try:
         yield
     finally:

@@ -76,6 +76,9 @@ Arrays = Mapping[str, np.ndarray]
 logger = logging.getLogger(__name__)
 
 
+_LOGGED: set[str] = set()  # the methods whose publish this process has logged at INFO
+
+
 @dataclass(frozen=True)
 class PublishStats:
     version: int
@@ -92,7 +95,13 @@ class PublishStats:
         return cls(version, time.perf_counter() - start, nbytes, buckets).log(method)
 
     def log(self, method: str) -> PublishStats:
-        logger.info(
+        # The first publish of each method in a process at INFO (it reaches the driver's
+        # terminal); the others at DEBUG: one line per step interrupted the progress line,
+        # and metrics.jsonl has every publish's time (time_publish_s)
+        level = logging.DEBUG if method in _LOGGED else logging.INFO
+        _LOGGED.add(method)
+        logger.log(
+            level,
             "published weights v%d via %s: %.1f MB in %d bucket(s), %.3f s (%.2f GB/s)",
             self.version, method, self.bytes / 1e6, self.buckets, self.seconds,
             self.bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf"),

@@ -243,6 +243,10 @@ def test_buffer_stats_errors_are_clear(tmp_path):
     assert out.returncode == 2
     assert "is not running (state: completed): its embedded Redis stopped" in out.stderr
     assert str(tmp_path / "summary.json") in out.stderr
+    assert "--resume" not in out.stderr  # refused for a completed run: no advice to use it
+    (tmp_path / "status.json").write_text('{"state": "interrupted"}')
+    out = staleflow("buffer", "stats", "--run-dir", str(tmp_path))
+    assert "`staleflow train --resume` starts the server again" in out.stderr
     out = staleflow("buffer", "stats", "--redis-url", "redis://:pw@127.0.0.1:1/0")
     assert out.returncode == 2
     assert "--run" in out.stderr

@@ -123,10 +123,17 @@ def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redi
 def test_publish_time_is_logged(tmp_path, caplog):
     import logging
 
+    from staleflow.learner import publish
+
     arrays = {"w": np.ones((256, 256), np.float32)}
-    with caplog.at_level(logging.INFO, logger="staleflow.learner.publish"):
+    publish._LOGGED.discard("checkpoint")  # as in a fresh learner process
+    with caplog.at_level(logging.DEBUG, logger="staleflow.learner.publish"):
         handle = CheckpointPublisher(tmp_path).publish(arrays, version=4)
-    (record,) = caplog.records
+        CheckpointPublisher(tmp_path).publish(arrays, version=5)
+    # the first publish at INFO (it reaches the terminal), the next at DEBUG: one line each
+    # step interrupted the progress line (metrics.jsonl has every publish's time)
+    assert [r.levelno for r in caplog.records] == [logging.INFO, logging.DEBUG]
+    record = caplog.records[0]
     # 256 * 256 * 4 bytes = 0.26 MB; the seconds and the rate are the publish's own
     message = record.getMessage()
     match = re.fullmatch(
