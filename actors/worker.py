@@ -80,13 +80,14 @@ class EvalReport:
     reward, and the responses whose answer could not be read or whose reward function failed."""
 
     policy_version: int
-    prompts: int
+    prompts: int  # samples scored: held-out problems repeat when there are fewer than this
     accuracy: float
     reward_mean: float
     parse_failures: int
     temperature: float
     examples: tuple[tuple[str, str, float], ...] = ()  # (prompt, response, reward), a few
     reward_errors: int = 0
+    problems: int = 0  # distinct held-out problems among the prompts
 
 
 class RolloutWorker:
@@ -344,6 +345,7 @@ class RolloutWorker:
         return EvalReport(
             policy_version=self.engine.version,
             prompts=len(prompts),
+            problems=len({p.prompt_id for p in prompts}),
             accuracy=sum(s.is_correct for s in scores) / max(len(scores), 1),
             reward_mean=statistics.fmean(s.reward for s in scores) if scores else 0.0,
             parse_failures=sum(not s.parsed and s.error is None for s in scores),

@@ -388,7 +388,7 @@ class Driver(CheckpointMixin):
         logger.info("held-out accuracy at step %d: %.3f", step, report.accuracy)
         self.metrics.write(
             "eval", step, accuracy=report.accuracy, reward_mean=report.reward_mean,
-            prompts=report.prompts, temperature=report.temperature,
+            prompts=report.prompts, problems=report.problems, temperature=report.temperature,
             parse_failures=report.parse_failures, reward_errors=report.reward_errors,
             wall_s=time.time() - self.started, examples=[list(e) for e in report.examples],
         )  # fmt: skip

@@ -100,6 +100,12 @@ def test_evaluate_reports_held_out_accuracy():
     worker = RolloutWorker(cfg, run_id="run")
     report = worker.evaluate(n_prompts=8, temperature=0.0)
     assert report.prompts == 8
+    # more prompts than held-out problems: the problems repeat, and the report says how
+    # many are distinct (`eval --prompts 128` on the quickstart scored 34 problems as "128")
+    held_out = {p.prompt_id for p in worker.task.eval_prompts(10_000)}
+    assert worker.evaluate(n_prompts=8).problems == min(8, len(held_out))
+    many = worker.evaluate(n_prompts=len(held_out) + 5)
+    assert (many.prompts, many.problems) == (len(held_out) + 5, len(held_out))
     assert report.temperature == 0.0
     assert len(report.examples) == 3
     again = worker.evaluate(n_prompts=8, temperature=0.0)  # greedy: the same answers
