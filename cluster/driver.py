@@ -703,6 +703,13 @@ class Driver(CheckpointMixin):
         try:
             learner_ok = self.learner is not None and self.learner_failed is None
             learner_ok = learner_ok and not self.buffer_lost  # its acks would go nowhere
+            if learner_ok:  # not queued behind a constructor or a call that never returned
+                busy = self.learner.idle(COMPLETE_BATCH_WAIT_S + 60)
+                if busy is not None:
+                    logger.error("no final checkpoint or settle: %s", busy)
+                    learner_ok = False
+                    if self.learner.started:  # (a start that failed says so in `error`)
+                        self.learner_failed = busy
             if learner_ok and self.step > 0 and self.step != self._checkpointed:
                 self._checkpoint(final=status == "completed")
             if self.buffer is not None and not self.buffer_lost:

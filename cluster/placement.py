@@ -419,6 +419,14 @@ class LearnerGroup:
     # checkpoint, a publish): the driver restarts a dead Redis there, as it does between
     # steps, or a rank's commit would wait out its client's retries and fail the run
     while_waiting: Callable[[], None] = lambda: None
+    # True once every rank's constructor has returned (Services.start): before, a call on a
+    # rank queues behind a constructor that may wait out DeepSpeed's rendezvous for a peer
+    # that failed (10 min)
+    started: bool = False
+    # The rank calls of an on_ranks that ended before all of them returned (one failed, the
+    # limit passed, a second Ctrl-C): the ranks may still be in them, and a call made now
+    # would queue behind them (see `idle`)
+    abandoned: tuple[list[Any], str] | None = None
 
     def __post_init__(self) -> None:
         learner = self.cfg.learner
@@ -536,6 +544,7 @@ class LearnerGroup:
             # the ranks give up on a broadcast themselves after its own timeout
             limit, setting = self.cfg.sync.broadcast_timeout_s + 60, "sync.broadcast_timeout_s"
         deadline = time.monotonic() + limit
+        self.abandoned = (list(refs), during)  # until every one of them has returned
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             # a call that failed stops the wait at once: the others may be waiting for it
@@ -565,7 +574,23 @@ class LearnerGroup:
                 )
             if pending:
                 self.while_waiting()
+        self.abandoned = None
         return list(ray.get(every))
+
+    def idle(self, timeout_s: float) -> str | None:
+        """None if the ranks can take a call now: they have started, and any call an
+        on_ranks gave up on has returned (waiting up to `timeout_s` for it); else what they
+        are still doing, for the summary (a checkpoint or a settle would wait behind it)."""
+        if not self.started:
+            return "the learner ranks had not all started"
+        if self.abandoned is None:
+            return None
+        refs, during = self.abandoned
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            return f"the learner ranks were still in {during} at the stop"
+        self.abandoned = None
+        return None
 
     def kill(self) -> None:
         """Close every rank (its prefetch, trajectory record and shared weights), waiting up

@@ -98,6 +98,7 @@ class Services:
             # its profiling assertion; vllm-project/vllm#55827). Roles that may share a
             # GPU start one after another: the learner, then each engine.
             wait_started({"learner ranks": self.learner.ranks}, timeout)
+            self.learner.started = True
             for _ in range(cfg.rollout.num_workers):
                 wait_started({"rollout workers": [self.pool.add().handle]}, timeout)
         else:
@@ -108,6 +109,7 @@ class Services:
                  "rollout workers": [slot.handle for slot in self.pool.slots]},
                 timeout,
             )  # fmt: skip
+            self.learner.started = True
         self.sync = WeightSync(cfg, self.learner, self.pool)
         self.placement = {
             "learner_nodes": _nodes_of(self.learner.ranks),

@@ -60,3 +60,45 @@ def test_a_constructor_that_raises_ends_the_start_at_once(ray_local):
     # at once: waiting on the slow ones would have ended in a TimeoutError after 300 s
     for actor in (*slow, failing):
         ray.kill(actor)
+
+
+class Rank:
+    """Stands in for a learner rank: a call that fails at once, or one that takes a while
+    (a peer still in a collective with the one that failed)."""
+
+    def fail(self) -> None:
+        raise RuntimeError("rank 1 failed")
+
+    def busy(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_local):
+    # A rank failing during a checkpoint or broadcast stops the wait at once, and a rank
+    # that had not finished starting left its constructor running: the stop's checkpoint
+    # and settle then queued behind the other ranks' calls (up to DeepSpeed's 10-minute
+    # rendezvous, or the broadcast timeout), with every further Ctrl-C only logged.
+    import dataclasses
+
+    import ray
+
+    from staleflow.cluster.failures import LearnerFailed
+    from staleflow.cluster.placement import LearnerGroup
+    from staleflow.configs import parse_config
+
+    cfg = parse_config("model: {preset: tiny}\n")
+    ranks = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2)]
+    fields = {f.name: f.default for f in dataclasses.fields(LearnerGroup) if f.init}
+    group = object.__new__(LearnerGroup)  # its ranks only: no placement group, no model
+    group.__dict__.update(fields, cfg=cfg, ranks=ranks, while_waiting=lambda: None)
+    assert group.idle(0.1) == "the learner ranks had not all started"
+    group.started = True
+    assert group.idle(0.1) is None
+    with pytest.raises(LearnerFailed, match="failed during a checkpoint: RuntimeError: rank 1"):
+        group.on_ranks([ranks[0].busy.remote(3.0), ranks[1].fail.remote()], "a checkpoint")
+    assert group.idle(0.1) == "the learner ranks were still in a checkpoint at the stop"
+    assert group.idle(30) is None  # it returned: the ranks take calls again
+    group.on_ranks([r.busy.remote(0) for r in ranks], "a publish")
+    assert group.idle(0) is None
+    for rank in ranks:
+        ray.kill(rank)
