@@ -237,7 +237,8 @@ class CheckpointMixin:
             "redone, %.1f s", r.step, r.checkpoint or "the start (no checkpoint yet)",
             recovered, self.redo or "none", seconds,
         )  # fmt: skip
-        self.metrics.write("resume", r.step, checkpoint=str(r.checkpoint), recovered=recovered,
+        checkpoint = None if r.checkpoint is None else str(r.checkpoint)  # (null, not "None")
+        self.metrics.write("resume", r.step, checkpoint=checkpoint, recovered=recovered,
                            redo=self.redo, restore_s=seconds)  # fmt: skip
 
 

@@ -3,7 +3,9 @@
 <output_dir>/<run name>/
     config.json          the resolved config (secrets masked)
     run-key              the run's id in shared places: Redis keys, /dev/shm files, Ray names
-    metrics.jsonl        one JSON object per line: {"kind": "step" | "eval" | "rollout", ...}
+    metrics.jsonl        one JSON object per line, {"kind": ..., "step": ..., "time": ...}:
+                         step, rollout, eval, checkpoint, scale, fault, recovery, resume
+                         (docs/architecture.md, "metrics.jsonl", lists every field)
     tensorboard/         the same scalars as TensorBoard event files (run.tensorboard)
     checkpoints/step-N/  learner checkpoints (safetensors + JSON); LATEST names the newest
     weights/             published weights when sync.method is checkpoint

@@ -498,7 +498,9 @@ def _token_balanced_shards(batch: TrainBatch, world_size: int) -> list[list[int]
 
 
 # Loss metrics reported as token-weighted means over the batch (besides the entropy).
-_TOKEN_AVERAGED = ("clip_frac", "ratio_mean", "approx_kl", "adv_mean", "regularizer", "kl_ref")
+_TOKEN_AVERAGED = (
+    "clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl", "adv_mean", "regularizer", "kl_ref"
+)  # fmt: skip
 
 
 def _all_reduce_metrics(

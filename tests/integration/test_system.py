@@ -340,6 +340,14 @@ def test_tiny_config_learns_and_leaves_a_complete_run_directory(tmp_path):
         assert all(p >= 0 for p in parts)
         assert r["time_step_s"] > 0
         assert sum(parts) <= r["time_interval_s"] + 1e-6
+    # every field of every record kind written is documented (docs/architecture.md lists
+    # them: only the time_* fields were, and busy fractions were read as per-step values)
+    doc = (REPO / "docs/architecture.md").read_text()
+    reference = doc[doc.index("### metrics.jsonl") :].split("\n## ")[0]
+    for record in read_metrics(run / "metrics.jsonl"):
+        assert f"#### `{record['kind']}`" in reference, record["kind"]
+        for field in record:
+            assert f"`{field}`" in reference, (record["kind"], field)
     html = (run / "report.html").read_text()
     for name in ("reward", "accuracy", "lag", "clip_kl", "throughput", "busy", "timeline"):
         png = run / "plots" / f"{name}.png"
