@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,7 @@ class WeightSync:
             return self.learner.publish()
         members = [s for s in self.pool.slots if not s.retiring]
         if tuple(s.index for s in members) != self._members:
+            self._wait_started(members)
             self._form_group(members)
         handle = self.learner.on_ranks(
             [r.broadcast.remote(version) for r in self.learner.ranks],
@@ -87,6 +89,34 @@ class WeightSync:
         names = [f"rollout worker {s.index}" for s in members]
         check_colocated(places[0], dict(zip(names, places[1:], strict=True)))
         self._members = tuple(s.index for s in members)
+
+    def _wait_started(self, members: Sequence[Any]) -> None:
+        """Members added during the run (a lost worker's replacement, a scale-up) must have
+        started before the group forms, within run.start_timeout_s of being added: learner
+        rank 0 would otherwise wait sync.broadcast_timeout_s (900 s) in its rendezvous for
+        one no node has room for (its node was lost), the run frozen meanwhile, and the stop
+        would blame the learner."""
+        import ray
+
+        from staleflow.cluster.placement import StartTimeout, cluster_room
+
+        limit = self.cfg.run.start_timeout_s
+        for slot in members:
+            while slot.ready is not None:
+                left = limit - (time.monotonic() - slot.added)
+                done, _ = ray.wait([slot.ready], timeout=max(0.0, min(1.0, left)))
+                if done:  # (a constructor that failed fails its join of the group)
+                    slot.ready = None
+                elif left <= 0:
+                    raise StartTimeout(
+                        f"rollout worker {slot.index}, added during the run, did not start "
+                        f"within {limit:g} s (run.start_timeout_s), so the weight broadcast "
+                        f"group ({self.cfg.sync.method}) cannot form; {cluster_room()}: a "
+                        "worker that fits on no node (its node was lost) waits for "
+                        "resources. Add a node or lower rollout.num_workers, then resume"
+                    )
+                else:
+                    self.learner.while_waiting()
 
     def _form_group(self, members: Sequence[Any]) -> None:
         sync = self.cfg.sync

@@ -102,3 +102,36 @@ def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_lo
     assert group.idle(0) is None
     for rank in ranks:
         ray.kill(rank)
+
+
+def test_a_broadcast_group_is_not_formed_with_a_worker_that_cannot_start(ray_local):
+    # A lost worker's replacement (or a scale-up) that no node can hold joined the group at
+    # the next publish: learner rank 0 then waited sync.broadcast_timeout_s (900 s) for it
+    # in its rendezvous, the run frozen, and the stop blamed the learner.
+    import types
+
+    import ray
+
+    from staleflow.cluster.placement import StartTimeout, WorkerSlot
+    from staleflow.cluster.weights import WeightSync
+    from staleflow.configs import parse_config
+
+    cfg = parse_config("model: {preset: tiny}\nsync: {method: gloo}\nrun: {start_timeout_s: 3}\n")
+    started = ray.remote(Role).options(num_cpus=0).remote()
+    ray.get(started.__ray_ready__.remote(), timeout=120)
+    unplaceable = ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
+    slots = [WorkerSlot(0, started), WorkerSlot(1, unplaceable)]
+    for slot in slots:
+        slot.ready = slot.handle.__ray_ready__.remote()
+    waited = []
+    learner = types.SimpleNamespace(while_waiting=lambda: waited.append(1))  # no ranks: the
+    sync = WeightSync(cfg, learner, types.SimpleNamespace(slots=slots))  # group never forms
+    begun = time.monotonic()
+    with pytest.raises(StartTimeout, match=r"rollout worker 1, added during the run, did not "
+                       r"start within 3 s \(run.start_timeout_s\)"):  # fmt: skip
+        sync.publish(1)
+    assert time.monotonic() - begun >= 2  # counted from when it was added
+    assert slots[0].ready is None  # the started one seen
+    assert waited  # and the driver's checks (a dead Redis) ran meanwhile
+    for actor in (started, unplaceable):
+        ray.kill(actor)
