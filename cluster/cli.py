@@ -38,8 +38,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from staleflow.actors.models import ModelError, PromptTooLongError
     from staleflow.actors.tasks import TaskError
     from staleflow.cluster.commands import check_before_start
-    from staleflow.configs import ConfigError, dump_config, load_config
-    from staleflow.configs.loader import check_distinct_overrides, redact
+    from staleflow.configs import ConfigError, load_config
+    from staleflow.configs.loader import check_distinct_overrides, dump_redacted
 
     try:
         check_distinct_overrides(args.overrides)
@@ -48,7 +48,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     except (ConfigError, TaskError, ModelError, PromptTooLongError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(redact(dump_config(cfg)))  # passwords masked, as in the run's config.json
+    print(dump_redacted(cfg))  # passwords masked, as in the run's config.json
     return 0
 
 

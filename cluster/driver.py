@@ -46,7 +46,7 @@ from staleflow.cluster.schedule import (
     idle_workers_warning,
 )
 from staleflow.cluster.services import Services
-from staleflow.configs.loader import dump_config, redact
+from staleflow.configs.loader import dump_redacted, redact
 
 __all__ = ["Driver", "LearnerFailed", "ScheduleError", "check_schedule"]
 
@@ -649,7 +649,7 @@ class Driver(CheckpointMixin):
         from staleflow.cluster.resources import check_sync_method
 
         check_sync_method(self.cfg)
-        write_text(self.rundir.config, redact(dump_config(self.cfg)) + "\n")  # atomically
+        write_text(self.rundir.config, dump_redacted(self.cfg) + "\n")  # atomically
         # bad input fails here, before any server or process starts
         self.prompts = PromptStream(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)

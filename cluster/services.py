@@ -264,7 +264,8 @@ def redis_url_from_env() -> str | None:
 
     from staleflow.configs.schema import redis_url_problem
 
-    url = os.environ.get(REDIS_URL_ENV) or None
+    # (a value read from a file, a Kubernetes secret's, may end in a newline)
+    url = os.environ.get(REDIS_URL_ENV, "").strip() or None
     problem = redis_url_problem(url) if url is not None else None
     if url is not None and problem:
         raise ValueError(

@@ -30,6 +30,7 @@ __all__ = [
     "apply_overrides",
     "check_distinct_overrides",
     "dump_config",
+    "dump_redacted",
     "load_config",
     "parse_config",
     "password_masked",
@@ -44,7 +45,8 @@ Loc = tuple[str, ...]
 # whitespace, so a password holding '@', '/', '#', '?' or quotes (unencoded) is masked whole
 # (redis-py ends it at the netloc's last '@'). And a password given as a query option.
 _URL_PASSWORD = re.compile(r"(\w+://[^\s:/@]*:)\S*@")
-_QUERY_PASSWORD = re.compile(r"([?&][^=&#\s]*password=)[^&#\s]*", re.I)  # and ssl_password
+# (up to a quote too: in JSON text the value must not swallow the string's closing quote)
+_QUERY_PASSWORD = re.compile(r"([?&][^=&#\s\"']*password=)[^&#\s\"']*", re.I)  # ssl_password too
 # A URL-valued key inside a mapping given on the command line (buffer={redis_url: ...}): its
 # value may carry a password without a scheme, which `redact` would not recognise.
 _URL_IN_MAPPING = re.compile(r"""(\w*url\s*[:=]\s*)(["']?)([^"',}\s]+)""", re.I)
@@ -82,6 +84,12 @@ def parse_config(text: str, overrides: Sequence[str] = (), source: str = "<strin
 def dump_config(cfg: RunConfig) -> str:
     """The resolved config as JSON; `parse_config` of it gives back an equal config."""
     return cfg.model_dump_json(indent=2)
+
+
+def dump_redacted(cfg: RunConfig) -> str:
+    """The resolved config as JSON with every password masked (what a run's config.json
+    and `staleflow config` show): masked string by string, so the text stays valid JSON."""
+    return json.dumps(redacted_dict(cfg), indent=2)
 
 
 def apply_overrides(

@@ -399,7 +399,8 @@ def redis_url_problem(url: str) -> str | None:
         return "holds whitespace: percent-encode it (a space as %20)"
     parts = urlsplit(url)
     if url.startswith("unix://"):
-        if parts.hostname:  # redis-py drops it: unix://tmp/r.sock would be /r.sock
+        if parts.hostname not in (None, "", "localhost"):  # redis-py drops it: unix://tmp/r.sock
+            # would be /r.sock ("localhost" is what it means anyway)
             return (
                 f"has {parts.hostname!r} before its path, which redis-py drops: give the "
                 "socket's absolute path after three slashes, e.g. unix:///run/redis.sock"

@@ -20,16 +20,7 @@ step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 
 # Where the host's pip finds packages (a local wheel folder holds the CPU torch): the same
 # settings, and the folders mounted read-only into the build.
-# The first of `pip config list`'s values for a key ($PIP_* and $PIP_CONFIG_FILE first, as pip
-# reads them; `pip config get global.KEY` sees neither).
-pip_settings=$(python3 -m pip config list 2>/dev/null || true)
-pip_get() {
-  local line key value
-  while IFS= read -r line; do
-    key=${line%%=*} value=${line#*=}
-    if [ "${key##*.}" = "$1" ]; then value=${value#\'}; printf '%s\n' "${value%\'}"; return; fi
-  done <<<"$pip_settings"
-}
+pip_get() { python3 -m pip config get "global.$1" 2>/dev/null || true; }
 find_links=$(pip_get find-links); extra_index=$(pip_get extra-index-url)
 # Build args are kept in the image's history (`podman history`): a URL with a user or a
 # token in it would be published with the image.

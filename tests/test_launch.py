@@ -91,7 +91,10 @@ def test_slurm_script_is_valid_bash_and_trains_the_given_config():
 _STUBS = {
     "scontrol": 'printf "%s\\n" node1 node2\n',
     "srun": 'while [[ "$1" == -* ]]; do [[ "$1" == -w ]] && shift; shift; done\nexec "$@"\n',
-    "hostname": 'echo "$HEAD_ADDRESSES"\n',
+    # --ip-address: the name as resolved; -I: every interface's address
+    "hostname": (
+        'if [[ "$1" == -I ]]; then echo "$HEAD_ADDRESSES"; else echo "$HEAD_RESOLVED"; fi\n'
+    ),
     "ray": (
         'if [[ "$1 $2" == "start --address"* && -n "${WORKER_FAILS:-}" ]]; then exit 1; fi\n'
         'if [[ "$1 $2" == "start --address"* && -n "${WORKER_LOST:-}" ]]; then exec sleep 600; fi\n'
@@ -115,7 +118,8 @@ def _slurm_script(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], 
         (bin_dir / name).chmod(0o755)
     environ = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}", "STATE": str(state),
-        "SLURM_JOB_NODELIST": "node[1-2]", "HEAD_ADDRESSES": "10.0.0.1 172.17.0.1", **env,
+        "SLURM_JOB_NODELIST": "node[1-2]", "HEAD_RESOLVED": "10.0.0.1",
+        "HEAD_ADDRESSES": "172.17.0.1 10.0.0.1", **env,
     }  # fmt: skip
     # output to a file: the `ray start` stand-ins outlive the script (as SLURM's steps do
     # until the job ends) and would hold a pipe open
@@ -151,16 +155,30 @@ def test_slurm_script_hands_a_stop_signal_to_the_driver_and_exits_with_its_statu
     out = _finish(proc, state)
     assert proc.returncode == 143, out
     assert driver.read_text().splitlines() == [
-        "train c.yaml --address 10.0.0.1:6379 run.steps=5",  # the head's first address
+        "train c.yaml --address 10.0.0.1:6379 run.steps=5",  # the head's name, resolved
         "TERM",
     ]
     assert "SIGTERM to the driver" in out
 
 
+def test_slurm_script_takes_an_interface_address_when_the_head_s_name_is_loopback(tmp_path):
+    # many hosts map their own name to 127.0.1.1: the other nodes would dial themselves
+    proc, state = _slurm_script(tmp_path, HEAD_RESOLVED="127.0.1.1")
+    deadline = time.monotonic() + 60
+    while not (state / "driver").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _finish(proc, state)
+    assert "--address 172.17.0.1:6379" in (state / "driver").read_text()
+
+
 @pytest.mark.parametrize(
     ("env", "error"),
     [
-        ({"HEAD_ADDRESSES": "127.0.1.1"}, "no routable address on the head node node1"),
+        (
+            {"HEAD_RESOLVED": "127.0.1.1", "HEAD_ADDRESSES": ""},
+            "no routable address on the head node node1",
+        ),
         ({"WORKER_FAILS": "1"}, "a 'ray start' step exited"),
         ({"WORKER_LOST": "1", "RAY_START_TIMEOUT_S": "1"}, "1 of 2 Ray node(s) up after 1 s"),
     ],
@@ -246,14 +264,19 @@ def test_rayjob_matches_the_kuberay_crd():
 def test_image_build_refuses_pip_urls_with_credentials_before_building(tmp_path):
     # docker/build.sh passes the host's pip index URLs as build args, which the image's
     # history keeps: a token in one would be published with the image
-    conf = tmp_path / "pip.conf"
+    (tmp_path / "pip").mkdir()  # the user's pip.conf ($XDG_CONFIG_HOME/pip/pip.conf)
+    conf = tmp_path / "pip" / "pip.conf"
     conf.write_text("[global]\nextra-index-url = https://ci:s3cret@pypi.example/simple\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool in ("apt-get", "podman", "sudo", "debootstrap"):  # nothing may be installed or run
         (bin_dir / tool).write_text(f"#!/bin/sh\necho {tool} ran >&2\nexit 97\n")
         (bin_dir / tool).chmod(0o755)
-    env = {**os.environ, "PIP_CONFIG_FILE": str(conf), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "XDG_CONFIG_HOME": str(tmp_path),
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    }
     out = subprocess.run(
         ["bash", str(REPO / "docker" / "build.sh")], env=env, capture_output=True, text=True,
         timeout=60,

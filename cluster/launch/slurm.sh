@@ -35,12 +35,22 @@ START_TIMEOUT_S=${RAY_START_TIMEOUT_S:-300}
 
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 HEAD=${NODES[0]}
-# The head's first address (not `hostname --ip-address`, which resolves the hostname: many
-# hosts map their own name to 127.0.1.1, and the other nodes would dial their own loopback).
-HEAD_IP=$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname -I | awk '{print $1}')
+# The head's address as its hostname resolves (cluster DNS: the inter-node network), unless
+# that is a loopback one (many hosts map their own name to 127.0.1.1, and the other nodes
+# would dial their own loopback): then the first of its interfaces' addresses. HEAD_IP set
+# in the environment wins.
+head_ip() {
+  local ip
+  ip=$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname --ip-address | awk '{print $1}')
+  if [[ -z "$ip" || "$ip" == 127.* ]]; then
+    ip=$(srun --nodes=1 --ntasks=1 -w "$HEAD" hostname -I | awk '{print $1}')
+  fi
+  echo "$ip"
+}
+HEAD_IP=${HEAD_IP:-$(head_ip)}
 if [[ -z "$HEAD_IP" || "$HEAD_IP" == 127.* ]]; then
   echo "error: no routable address on the head node $HEAD (got '${HEAD_IP}'); set" \
-    "HEAD_IP by hand in this script" >&2
+    "HEAD_IP=ADDRESS in the environment of sbatch" >&2
   exit 1
 fi
 GPUS=${SLURM_GPUS_PER_NODE:-1}

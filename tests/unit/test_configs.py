@@ -385,6 +385,16 @@ def test_masking_leaves_values_that_only_look_like_credentials():
     assert "/models/team:nlp@v2/ckpt" in redact(dump_config(cfg))
 
 
+def test_redis_urls_redis_py_reads_as_meant_are_accepted(monkeypatch):
+    # unix://localhost/path is the socket's path to redis-py; and a URL in the environment
+    # read from a file (a Kubernetes secret's) ends in a newline, which redis-py ignores
+    from staleflow.cluster.services import redis_url_from_env
+
+    assert parse_config(MINIMAL, ["buffer.redis_url=unix://localhost/run/r.sock"])
+    monkeypatch.setenv("STALEFLOW_REDIS_URL", "redis://:pw@h:6379/0\n")
+    assert redis_url_from_env() == "redis://:pw@h:6379/0"
+
+
 def test_redis_url_options_redis_py_takes_are_accepted():
     for query in ("max_connections=50", "socket_timeout=3", "client_name=learner"):
         for url in (f"redis://h:6379/0?{query}", f"redis://h:6379?{query}&db=2"):
@@ -701,3 +711,24 @@ def test_the_shipped_configs_set_nothing_they_do_not_read():
 
     for path in [*(REPO / "configs").glob("*.yaml"), *(REPO / "configs/paper").glob("*.yaml")]:
         assert unread_settings(load_config(path)) == [], path
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["redis://h:6379/0?password=s3cret", "rediss://h:6379/0?ssl_password=s3cret&ssl_certfile=/x",
+     "redis://:s3cret@h:6379/0"],
+)  # fmt: skip
+def test_a_config_with_a_masked_password_stays_valid_json(tmp_path, url):
+    # The query password's mask ran to the next whitespace, swallowing the JSON string's
+    # closing quote: config.json became invalid, and every command on the run refused it
+    # as "not a staleflow run directory".
+    from staleflow.cluster.rundir import RunDir
+    from staleflow.configs.loader import dump_redacted, redact
+
+    cfg = parse_config(MINIMAL, [f"buffer.redis_url={url}"])
+    for text in (dump_redacted(cfg), redact(dump_config(cfg))):
+        assert "s3cret" not in text
+        assert "***" in json.loads(text)["buffer"]["redis_url"]
+    run = RunDir.create(str(tmp_path), "r")
+    run.config.write_text(dump_redacted(cfg))  # as the driver writes it
+    assert run.check_exists() is run
