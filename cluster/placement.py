@@ -555,6 +555,12 @@ class LearnerGroup:
                 except ray.exceptions.RayError as exc:
                     if ref in slot_of:
                         cause = remote_cause(exc)
+                        # Its process may live on (an engine error, a CUDA OOM): the ranks
+                        # would then wait in the collective for it until the process
+                        # group's timeout (sync.broadcast_timeout_s). Killed, its
+                        # connections close and their calls fail at once.
+                        with contextlib.suppress(Exception):
+                            ray.kill(slot_of[ref].handle)
                         raise RuntimeError(
                             f"rollout worker {slot_of[ref].index} failed during {during}: "
                             f"{type(cause).__name__}: {cause}"

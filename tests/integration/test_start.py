@@ -135,3 +135,51 @@ def test_a_broadcast_group_is_not_formed_with_a_worker_that_cannot_start(ray_loc
     assert waited  # and the driver's checks (a dead Redis) ran meanwhile
     for actor in (started, unplaceable):
         ray.kill(actor)
+
+
+class Member:
+    """A broadcast group's member on gloo: learner rank 0 (sends) or an engine that fails
+    its part of the broadcast while its process lives on (a CUDA OOM, an engine error)."""
+
+    def open(self, port: int, rank: int, timeout_s: float) -> None:
+        from staleflow.learner.sync_group import SyncGroup
+
+        self.group = SyncGroup.open("gloo", "127.0.0.1", port, rank, 2, timeout_s)
+
+    def send(self) -> None:
+        import torch
+
+        self.group.broadcast(torch.zeros(1024))
+
+    def fail(self) -> None:
+        raise RuntimeError("out of memory receiving the bucket")
+
+
+def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_local):
+    # The worker's call failed at once, but learner rank 0 stayed in the collective until
+    # sync.broadcast_timeout_s (900 s by default), and the stop's checkpoint waited behind
+    # it. The failed worker is now killed: its connection closes and rank 0's call returns.
+    import dataclasses
+    import types
+
+    import ray
+
+    from staleflow.buffer.ports import free_port
+    from staleflow.cluster.placement import LearnerGroup
+    from staleflow.configs import parse_config
+
+    timeout = 120.0
+    rank0, engine = (ray.remote(Member).options(num_cpus=0).remote() for _ in range(2))
+    port = free_port()
+    ray.get([rank0.open.remote(port, 0, timeout), engine.open.remote(port, 1, timeout)])
+    cfg = parse_config("model: {preset: tiny}\nsync: {method: gloo}\n")
+    fields = {f.name: f.default for f in dataclasses.fields(LearnerGroup) if f.init}
+    group = object.__new__(LearnerGroup)  # its ranks only: no placement group, no model
+    group.__dict__.update(fields, cfg=cfg, ranks=[rank0], while_waiting=lambda: None)
+    group.started = True
+    slot = types.SimpleNamespace(index=0, handle=engine)
+    with pytest.raises(RuntimeError, match="rollout worker 0 failed during the weight broad"):
+        group.on_ranks([rank0.send.remote()], "the weight broadcast of v1",
+                       [(slot, engine.fail.remote())])  # fmt: skip
+    assert group.idle(30) is None  # rank 0's call returned (with its error) long before 120 s
+    ray.kill(rank0)
