@@ -85,13 +85,17 @@ def sync_costs(model_name: str) -> list[tuple[str, float]]:
     from staleflow.learner.publish import CheckpointPublisher, RayPublisher
 
     model, tokenizer = load_model(ModelConfig(preset=model_name))
-    arrays = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    from staleflow.learner.learner import untied
+
+    # what a run publishes: a tied lm_head once
+    arrays = {k: v.numpy().copy() for k, v in untied(model.state_dict()).items()}
     target_model, _ = load_model(ModelConfig(preset=model_name))
     engine = HFEngine(target_model, tokenizer)
     nbytes = sum(a.nbytes for a in arrays.values())
     results = []
 
     def timed(fn) -> float:
+        fn()  # warm-up
         runs = []
         for _ in range(3):
             start = time.perf_counter()
@@ -118,7 +122,8 @@ def sync_costs(model_name: str) -> list[tuple[str, float]]:
     print(f"[{model_name}] weight sync of {gb * 1e3:.1f} MB (publish + load into an engine)")
     print(f"  memory copy : {t_copy * 1e3:8.1f} ms {gb / t_copy:6.2f} GB/s")
     for name, t in (("ray", t_ray), ("checkpoint", t_ckpt)):
-        print(f"  {name:11} : {t * 1e3:8.1f} ms {gb / t:6.2f} GB/s  ({t_copy / t:.2f}x of memcpy)")
+        # the same way round as bench/sync.py's (and the target's): times a memcpy's time
+        print(f"  {name:11} : {t * 1e3:8.1f} ms {gb / t:6.2f} GB/s  ({t / t_copy:.2f}x memcpy)")
         results.append((name, t))
     del ray
     return results

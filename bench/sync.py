@@ -5,7 +5,8 @@
 The sender (a Ray actor holding the weights, as learner rank 0 does) and the receiver (this
 process, with an HF engine on the same model) are separate processes, as in a run. Each method
 is timed end to end (publish, transfer, copy into the engine's parameters), median of the
-rounds, beside two bounds measured in the same run: a plain memcpy of the same bytes, and the
+rounds, beside two bounds measured in the same run: a plain memcpy of the same bytes, timed
+beside each row in every round (the ratio is the median of the rounds' ratios), and the
 engine's own load of arrays already in this process (the copy no method can avoid).
 Methods: ray (object store), checkpoint (safetensors files), ipc (the receiver reads the
 sender's memory in place: CUDA IPC on a GPU, /dev/shm files on CPU), gloo (broadcast over a
@@ -97,6 +98,29 @@ def median_time(fn: Callable[[], Any], rounds: int) -> float:
     return statistics.median(runs)
 
 
+def paired(
+    fn: Callable[[], Any], bound: Callable[[], Any], rounds: int
+) -> tuple[float, float, list[float]]:
+    """`fn` timed beside `bound` in every round, their order alternating (a warm-up of each
+    first): the median of fn's times, the median of the rounds' fn / bound ratios, and the
+    bound's times. A bound timed once, before every method, moved with whatever else the
+    machine did then (on the 2-core machine it ran 2.9x slower per byte in one run than in
+    another, and every ratio with it)."""
+    fn()
+    bound()
+    times, ratios, bounds = [], [], []
+    for r in range(rounds):
+        took: dict[int, float] = {}
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            start = time.perf_counter()
+            (fn if i == 0 else bound)()
+            took[i] = time.perf_counter() - start
+        times.append(took[0])
+        bounds.append(took[1])
+        ratios.append(took[0] / took[1])
+    return statistics.median(times), statistics.median(ratios), bounds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2-135m", choices=["smollm2-135m", "tiny"])
@@ -136,9 +160,18 @@ def main() -> int:
         local = {k: np.array(v) for k, v in arrays}
         nbytes = sum(a.nbytes for a in local.values())
         copies = {k: np.empty_like(v) for k, v in local.items()}
-        results["memcpy (bound)"] = median_time(
-            lambda: [np.copyto(copies[k], v) for k, v in local.items()], args.rounds
-        )
+
+        def memcpy() -> None:
+            for k, v in local.items():
+                np.copyto(copies[k], v)
+
+        ratio: dict[str, float] = {}  # each row's median per-round ratio to memcpy
+        memcpy_s: list[float] = []
+
+        def measure(name: str, fn: Callable[[], Any]) -> None:
+            results[name], ratio[name], bounds = paired(fn, memcpy, args.rounds)
+            memcpy_s.extend(bounds)
+
         if device == "cuda":
             on_gpu = {k: torch.empty(v.shape, dtype=torch.from_numpy(v).dtype, device="cuda")
                       for k, v in local.items()}  # fmt: skip
@@ -148,10 +181,8 @@ def main() -> int:
                     on_gpu[k].copy_(torch.from_numpy(v))
                 sync()
 
-            results["host->GPU (bound)"] = median_time(to_gpu, args.rounds)
-        results["engine load only"] = median_time(
-            lambda: (load_named_arrays(params, local), sync()), args.rounds
-        )
+            measure("host->GPU (bound)", to_gpu)
+        measure("engine load only", lambda: (load_named_arrays(params, local), sync()))
         version = iter(range(1, 10_000))
         for method in ("ray", "checkpoint"):
 
@@ -160,7 +191,7 @@ def main() -> int:
                 engine.load_weights(handle.arrays(), handle.version)
                 sync()
 
-            results[method] = median_time(via, args.rounds)
+            measure(method, via)
 
         def via_ipc() -> None:
             v = next(version)
@@ -170,7 +201,7 @@ def main() -> int:
             finally:
                 ray.get(sender.discard.remote(v))
 
-        results["ipc"] = median_time(via_ipc, args.rounds)
+        measure("ipc", via_ipc)
         ray.get(sender.close.remote())
 
         if device == "cuda":
@@ -190,18 +221,22 @@ def main() -> int:
                 ray.get(sent)
                 sync()
 
-            results["gloo broadcast"] = median_time(via_gloo, args.rounds)
+            measure("gloo broadcast", via_gloo)
             group.close()
     if gpus >= 2:
         print("nccl: two GPUs visible; run the gpu tests' NCCL broadcast for its figure")
     else:
         print(f"nccl: not measured here ({gpus} GPU visible; NCCL needs one GPU per end)")
-    base = results["memcpy (bound)"]
+    base = statistics.median(memcpy_s)
     print(f"[{args.model} on {device}] weight sync of {nbytes / 1e6:.1f} MB, publish + load "
-          f"into an engine in another process, median of {args.rounds}")  # fmt: skip
+          f"into an engine in another process, median of {args.rounds}; each row timed "
+          "beside a memcpy of the same bytes in every round, x memcpy = the median of the "
+          "rounds' ratios")  # fmt: skip
+    print(f"  {'memcpy (bound)':17} {base * 1e3:8.1f} ms  {nbytes / 1e9 / base:6.2f} GB/s  "
+          f"(median of its {len(memcpy_s)} runs)")  # fmt: skip
     for name, seconds in results.items():
         print(f"  {name:17} {seconds * 1e3:8.1f} ms  {nbytes / 1e9 / seconds:6.2f} GB/s  "
-              f"{seconds / base:5.2f}x memcpy")  # fmt: skip
+              f"{ratio[name]:5.2f}x memcpy")  # fmt: skip
     ray.shutdown()
     return 0
 

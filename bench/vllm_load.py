@@ -46,7 +46,8 @@ def main() -> int:
     times: dict[str, list[float]] = {"shm": [], "rpc": []}
     version = 0
     for round_ in range(args.rounds + 1):  # round 0 warms both paths up
-        for transport, runs in times.items():
+        order = list(times.items()) if round_ % 2 == 0 else list(times.items())[::-1]
+        for transport, runs in order:  # which goes first alternates
             engine.weight_transport = transport
             version += 1
             start = time.perf_counter()
