@@ -805,9 +805,10 @@ def test_a_run_that_cannot_start_its_ray_or_actors_ends_in_one_line(tmp_path, ov
     ],
     ids=["override-twice", "workers-flag", "eval-prompts-flag", "masked"],
 )  # fmt: skip
-def test_a_key_set_twice_on_the_command_line_is_refused(args, message):
+def test_a_key_set_twice_on_the_command_line_is_refused(args, message, tmp_path):
     # the last one won without a word: `train --workers 3 rollout.num_workers=5` ran 3
-    out = staleflow(*args)
+    # (and trained, into the source tree's runs/: a train gets a run directory of its own)
+    out = staleflow(*args, *([f"run.output_dir={tmp_path}"] if args[0] == "train" else []))
     assert out.returncode == 2, out.stderr
     assert f"error: {message}" in out.stderr
     assert "s3cret" not in out.stderr
