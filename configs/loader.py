@@ -101,7 +101,7 @@ def apply_overrides(
         key, sep, raw = given.partition("=")
         loc = tuple(key.strip().split("."))
         # as errors show it: a URL's password masked even without its scheme
-        item = _masked_override(key, raw) if sep else given
+        item = redact_override(given)
         if not sep or not all(loc):
             raise ConfigError(
                 f"override {item!r} is not of the form section.key=value "
