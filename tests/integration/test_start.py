@@ -62,6 +62,18 @@ def test_a_constructor_that_raises_ends_the_start_at_once(ray_local):
         ray.kill(actor)
 
 
+def ranks_only(cfg, ranks):
+    """A LearnerGroup of these actors as its ranks: no placement group, no model."""
+    import dataclasses
+
+    from staleflow.cluster.placement import LearnerGroup
+
+    fields = {f.name: f.default for f in dataclasses.fields(LearnerGroup) if f.init}
+    group = object.__new__(LearnerGroup)
+    group.__dict__.update(fields, cfg=cfg, ranks=ranks, while_waiting=lambda: None)
+    return group
+
+
 class Rank:
     """Stands in for a learner rank: a call that fails at once, or one that takes a while
     (a peer still in a collective with the one that failed)."""
@@ -78,19 +90,14 @@ def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_lo
     # that had not finished starting left its constructor running: the stop's checkpoint
     # and settle then queued behind the other ranks' calls (up to DeepSpeed's 10-minute
     # rendezvous, or the broadcast timeout), with every further Ctrl-C only logged.
-    import dataclasses
-
     import ray
 
     from staleflow.cluster.failures import LearnerFailed
-    from staleflow.cluster.placement import LearnerGroup
     from staleflow.configs import parse_config
 
     cfg = parse_config("model: {preset: tiny}\n")
     ranks = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2)]
-    fields = {f.name: f.default for f in dataclasses.fields(LearnerGroup) if f.init}
-    group = object.__new__(LearnerGroup)  # its ranks only: no placement group, no model
-    group.__dict__.update(fields, cfg=cfg, ranks=ranks, while_waiting=lambda: None)
+    group = ranks_only(cfg, ranks)
     assert group.idle(0.1) == "the learner ranks had not all started"
     group.started = True
     assert group.idle(0.1) is None
@@ -159,13 +166,11 @@ def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_
     # The worker's call failed at once, but learner rank 0 stayed in the collective until
     # sync.broadcast_timeout_s (900 s by default), and the stop's checkpoint waited behind
     # it. The failed worker is now killed: its connection closes and rank 0's call returns.
-    import dataclasses
     import types
 
     import ray
 
     from staleflow.buffer.ports import free_port
-    from staleflow.cluster.placement import LearnerGroup
     from staleflow.configs import parse_config
 
     timeout = 120.0
@@ -173,9 +178,7 @@ def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_
     port = free_port()
     ray.get([rank0.open.remote(port, 0, timeout), engine.open.remote(port, 1, timeout)])
     cfg = parse_config("model: {preset: tiny}\nsync: {method: gloo}\n")
-    fields = {f.name: f.default for f in dataclasses.fields(LearnerGroup) if f.init}
-    group = object.__new__(LearnerGroup)  # its ranks only: no placement group, no model
-    group.__dict__.update(fields, cfg=cfg, ranks=[rank0], while_waiting=lambda: None)
+    group = ranks_only(cfg, [rank0])
     group.started = True
     slot = types.SimpleNamespace(index=0, handle=engine)
     with pytest.raises(RuntimeError, match="rollout worker 0 failed during the weight broad"):
