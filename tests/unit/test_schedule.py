@@ -64,6 +64,40 @@ def test_bad_arguments():
         rollout_version(3, 0, 0)
 
 
+@pytest.mark.parametrize("interval", [1, 3, 20])
+@pytest.mark.parametrize("offset", [0, 2, 10, 60])
+@pytest.mark.parametrize("steps", [1, 5, 25, 50])
+def test_the_start_check_refuses_exactly_the_bounds_below_the_largest_lag(interval, offset, steps):
+    # check_schedule looks at steps 1 .. O + I only: the largest lag over the whole run,
+    # counted here step by step, must be the least max_staleness it accepts.
+    from staleflow.cluster.schedule import ScheduleError, check_schedule
+
+    worst = max(lags(interval, offset, steps))
+    base = "model: {preset: tiny}\n"
+    sync = [f"run.steps={steps}", f"sync.interval={interval}", f"sync.offset={offset}"]
+    check_schedule(parse_config(base, [*sync, f"buffer.max_staleness={worst}"]))
+    if worst:
+        with pytest.raises(ScheduleError, match=f"largest lag \\({worst},"):
+            check_schedule(parse_config(base, [*sync, f"buffer.max_staleness={worst - 1}"]))
+
+
+def test_a_run_of_ten_million_steps_is_checked_without_walking_them(monkeypatch):
+    # I=20, O=10: the largest lag is O + I - 1 = 29, reached at step 30. The check used to
+    # evaluate lag() at every one of the 10M steps (seconds before `staleflow train` started
+    # anything); it needs the first O + I = 30.
+    from staleflow.cluster import schedule
+
+    calls = []
+    monkeypatch.setattr(schedule, "lag", lambda t, i, o: calls.append(t) or lag(t, i, o))
+    cfg = parse_config(
+        "model: {preset: tiny}\n",
+        ["run.steps=10000000", "sync.interval=20", "sync.offset=10", "buffer.max_staleness=28"],
+    )
+    with pytest.raises(schedule.ScheduleError, match="largest lag \\(29,"):
+        schedule.check_schedule(cfg)
+    assert calls == list(range(1, 31))
+
+
 def test_lockstep_workers_beyond_a_batch_are_said_to_stay_idle():
     lockstep = parse_config("model: {preset: tiny}\nrollout: {prompts_per_batch: 4}\n")
     # each lock-step batch of 4 prompts is split over the workers: 10 - 4 = 6 get none
