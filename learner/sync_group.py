@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 30.0
+"""How long closing a group waits for the backend (SyncGroup.close)."""
 
 
 @dataclass
@@ -82,9 +86,11 @@ class SyncGroup:
         world_size: int,
         timeout_s: float = 300.0,
     ) -> SyncGroup:
-        """Close `previous` (a member's old group, when the members changed) and open anew."""
+        """Close `previous` (a member's old group, when the members changed) and open anew.
+
+        The members changed because one was lost, so the old group is aborted (`close`)."""
         if previous is not None:
-            previous.close()
+            previous.close(abort=True)
         return cls.open(backend, host, port, rank, world_size, timeout_s)
 
     @property
@@ -104,12 +110,32 @@ class SyncGroup:
         options.rootTensor = 0
         self.group.broadcast([tensor], options).wait()
 
-    def close(self) -> None:
-        shutdown = getattr(self.group, "shutdown", None)
-        if shutdown is not None:
+    def close(self, *, abort: bool = False, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Release the group's connections. `abort`: a member is gone, so pending work is
+        abandoned (the backend's abort) instead of shut down, which under NCCL waits for every
+        member to shut down too and never returns once one has died. Either runs in a thread
+        waited for at most `wait_s`; past it the group is left behind with a warning (a leaked
+        communicator, not a member stuck forever)."""
+        group, self.group, self.store = self.group, None, None
+        release = getattr(group, "abort" if abort else "shutdown", None)
+        if release is None:
+            return
+
+        def run() -> None:
             with contextlib.suppress(RuntimeError):  # already torn down by a failed peer
-                shutdown()
-        self.group = self.store = None
+                release()
+
+        thread = threading.Thread(target=run, name=f"close-{self.backend}-group", daemon=True)
+        thread.start()
+        thread.join(wait_s)
+        if thread.is_alive():
+            logger.warning(
+                "the old %s broadcast group's %s did not return in %g s; left behind (its "
+                "connections are freed when this process ends)",
+                self.backend,
+                "abort" if abort else "shutdown",
+                wait_s,
+            )
 
 
 def node_address() -> str:
