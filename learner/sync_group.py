@@ -88,7 +88,8 @@ class SyncGroup:
     ) -> SyncGroup:
         """Close `previous` (a member's old group, when the members changed) and open anew.
 
-        The members changed because one was lost, so the old group is aborted (`close`)."""
+        The members changed, often because one was lost: the old group is aborted (`close`),
+        which does not wait for the others (every member still there reopens too)."""
         if previous is not None:
             previous.close(abort=True)
         return cls.open(backend, host, port, rank, world_size, timeout_s)

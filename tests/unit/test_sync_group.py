@@ -31,9 +31,9 @@ class Backend:
 
 
 def test_reopening_after_a_member_was_lost_aborts_the_old_group():
-    # The members change only when one was lost. The old group was shut down, which under
-    # NCCL waits for the lost member and never returns; it is aborted now, and the new group
-    # (a real gloo group, of one member here) opens.
+    # The members change when one is lost (or added). The old group was shut down, which
+    # under NCCL waits for the lost member and never returns; it is aborted now, and the new
+    # group (a real gloo group, of one member here) opens.
     old = Backend()
     previous = SyncGroup("gloo", 0, 2, None, old)
     try:
