@@ -104,7 +104,7 @@ class Consumer:
             raise ValueError(f"take needs timeout_s >= 0 (seconds; inf: no limit), got {timeout_s}")
         self._ensure_group()
         deadline = time.monotonic() + timeout_s
-        stale = invalid = 0
+        stale = invalid = replays_dropped = 0
         taken: list[_Entry] = []
         ack_args, acked = self._ack_args(ack, held=False), 0
         try:
@@ -123,6 +123,7 @@ class Consumer:
                     replays, dropped = self._take_replays(n - len(taken), learner_version)
                     taken.extend(replays)
                     stale += dropped
+                    replays_dropped += dropped
                 # Keep going while short and either time remains or the last read found
                 # entries (stale drops can eat a read; the next one may have fresh groups).
                 if len(taken) >= n or (read == 0 and time.monotonic() >= deadline):
@@ -143,9 +144,10 @@ class Consumer:
             raise
         if ack_args:
             acked = self._acked(ack_args, late)
-        if bad:
+        if bad:  # (a replay decoded when first taken: in practice none of these is one)
             invalid = self._drop_entries(bad, "invalid")
-        return Taken(groups, receipts, dropped_stale=stale, dropped_invalid=invalid, acked=acked)
+            replays_dropped += min(invalid, sum(1 for _, replay, _ in bad if replay))
+        return Taken(groups, receipts, stale, invalid, acked, replays_dropped)
 
     def _put_back(self, taken: list[_Entry]) -> None:
         """Entries a take chose but did not hand out, back in the pool for the next take."""

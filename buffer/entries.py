@@ -115,6 +115,7 @@ class Taken:
     dropped_stale: int = 0
     dropped_invalid: int = 0
     acked: int = 0  # of the receipts passed to `take(..., ack=...)`, how many were pending
+    replays_dropped: int = 0  # of the drops, replays (groups trained before)
 
 
 @dataclass(frozen=True)

@@ -216,7 +216,7 @@ class Driver(CheckpointMixin):
         c, flow = self.counts, self.flow
         c.dropped_stale += report.dropped_stale
         c.dropped_invalid += report.dropped_invalid
-        flow.dropped += report.dropped_stale + report.dropped_invalid
+        flow.count_drops(report.dropped_stale + report.dropped_invalid, report.replays_dropped)
         if not report.trained:
             return
         if self.cfg.run.checkpoint_every == 0 and report.acked != report.metrics["groups"]:
@@ -225,8 +225,7 @@ class Driver(CheckpointMixin):
                 "by the server): the summary will not reconcile", flow.steps + 1,
                 report.acked, int(report.metrics["groups"]),
             )  # fmt: skip
-        flow.steps += 1
-        flow.trained += int(report.metrics["groups"])
+        flow.count_step(int(report.metrics["groups"]), report.replays)
         c.trained += report.acked
         c.learner_s += report.timeline["step_s"]
 

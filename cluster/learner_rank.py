@@ -51,6 +51,10 @@ class StepReport:
     timeline: dict[str, float] = field(default_factory=dict)  # take_s, step_s, ack_s, ...
     weights: Any = None  # the published handle, when asked to publish (ray, checkpoint)
     acked: int = 0  # groups the buffer counted as acked (== trained, or something is wrong)
+    # sampling: replay. Of the step's groups, how many were trained before; of the drops
+    # since the last report, how many were such replays (the schedule counts each group once)
+    replays: int = 0
+    replays_dropped: int = 0
 
 
 class LearnerRank:
@@ -120,9 +124,10 @@ class LearnerRank:
             except Exception as exc:  # every rank must leave the collective below together
                 failure = exc
         groups = self._share(batch.groups if batch is not None else None, failure)
-        stale, invalid = self.feed.drops() if self.feed is not None else (0, 0)
+        stale, invalid, replays_dropped = (0, 0, 0) if self.feed is None else self.feed.drops()
         if groups is None:
-            return StepReport(False, version, dropped_stale=stale, dropped_invalid=invalid)
+            return StepReport(False, version, dropped_stale=stale, dropped_invalid=invalid,
+                              replays_dropped=replays_dropped)  # fmt: skip
         if self.feed is not None:  # read and decode the next batch while this one trains
             self.feed.prefetch(version + 1, wait_s=self._step_s)
         t1 = time.perf_counter()
@@ -146,9 +151,10 @@ class LearnerRank:
             "publish_s": t4 - t3 if publish else 0.0,
         }
         reward = float(np.mean([g.rewards.mean() for g in groups]))
+        replays = sum(r.replay for r in batch.receipts) if batch is not None else 0
         return StepReport(
             True, self.learner.version, metrics, reward, dict(lags), stale, invalid, timeline,
-            weights, acked,
+            weights, acked, replays, replays_dropped,
         )  # fmt: skip
 
     def _share(

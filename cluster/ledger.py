@@ -99,6 +99,7 @@ def reconcile(stats: Any, c: Counts, flow: Any, elapsed: float) -> dict[str, Any
             "dropped_stale": c.dropped_stale,
             "dropped_invalid": c.dropped_invalid,
             "pushed_by_finished_batches": flow.pushed,
+            "left_in_buffer": flow.left(),  # as the schedule counts it
         },
         "pushed_by_version": stats.pushed_by_version,
         "trained_by_version": stats.trained_by_version,

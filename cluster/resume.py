@@ -90,6 +90,8 @@ def driver_state(driver: Any, trained: int) -> dict[str, Any]:
             "partial": {str(b): n for b, n in flow.partial.items()},
             "trained": flow.trained,
             "dropped": flow.dropped,
+            "replayed": flow.replayed,
+            "replays_dropped": flow.replays_dropped,
         },
         "counts": {**dataclasses.asdict(c), "trained": trained, **driver.clock()},
         "prompts_per_batch": driver.P,
@@ -227,7 +229,11 @@ class CheckpointMixin:
         self._checkpointed = r.step  # never rewrite it (a failure now would damage it)
         self.flow, self.counts, self.faults = r.flow, r.counts, r.faults
         self.accuracy = r.accuracy
-        self.flow.dropped += self.counts.catch_up_drops(self.buffer.stats())
+        stats = self.buffer.stats()
+        self.flow.dropped += self.counts.catch_up_drops(stats)
+        # the buffer's counts are final (drops since the checkpoint included), as above
+        replays_dropped = stats.replays_dropped_stale + stats.replays_dropped_invalid
+        self.flow.replays_dropped = max(self.flow.replays_dropped, replays_dropped)
         self.redo = r.redo  # before publishing: their versions are kept
         for version, directory in old.items():
             self._published(republish(self.cfg, version, directory, self.services.publish_dir))
@@ -543,6 +549,7 @@ def load_resume(run: RunDir, cfg: Any) -> Resume:
         flow = Flow(
             steps=f["steps"], batches=f["batches"], batches_done=f["batches_done"],
             pushed=f["pushed"], trained=f["trained"], dropped=f["dropped"],
+            replayed=f.get("replayed", 0), replays_dropped=f.get("replays_dropped", 0),  # (newer)
             partial={int(b): int(n) for b, n in f.get("partial", {}).items()},  # (newer)
         )  # fmt: skip
         res = Resume(

@@ -69,12 +69,32 @@ class Flow:
     # running batch -> groups its finished parts added to `pushed`: a resume redoes the whole
     # batch, whose parts report those groups again
     partial: dict[int, int] = field(default_factory=dict)
-    trained: int = 0
-    dropped: int = 0
+    trained: int = 0  # trainings (with sampling: replay, a group trained again counts again)
+    dropped: int = 0  # drops, replays among them
+    replayed: int = 0  # of the trainings, those of groups trained before (sampling: replay)
+    replays_dropped: int = 0  # of the drops, those of groups trained before
 
     def untrained(self) -> int:
         """Groups pushed or being generated that no step has trained or dropped yet."""
-        return self.pushed - self.trained - self.dropped + sum(g for _, g in self.running.values())
+        return self.left() + sum(g for _, g in self.running.values())
+
+    def left(self) -> int:
+        """Groups pushed that no step has trained or dropped yet (a replay trained or dropped
+        is not one of them: it was trained when first taken)."""
+        first = (self.trained - self.replayed) + (self.dropped - self.replays_dropped)
+        return self.pushed - first
+
+    def count_step(self, groups: int, replays: int) -> None:
+        """A learner step trained `groups`, `replays` of them trained before."""
+        self.steps += 1
+        self.trained += groups
+        self.replayed += replays
+
+    def count_drops(self, dropped: int, replays: int) -> None:
+        """The buffer dropped `dropped` groups (stale or invalid), `replays` of them trained
+        before."""
+        self.dropped += dropped
+        self.replays_dropped += replays
 
 
 @dataclass

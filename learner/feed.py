@@ -50,6 +50,7 @@ class BatchFeed:
     held: list[Receipt] = field(default_factory=list)  # trained, acked at the next commit
     dropped_stale: int = 0  # since the last `drops()`
     dropped_invalid: int = 0
+    replays_dropped: int = 0  # of those drops, replays (groups trained before)
     _waited: float = 0.0  # seconds of `next` calls that came back short since the last batch
     _next: Future[float] | None = None
     _executor: ThreadPoolExecutor = field(
@@ -67,6 +68,7 @@ class BatchFeed:
             taken = self.buffer.take(need, learner_version=version, timeout_s=wait_s)
             self.dropped_stale += taken.dropped_stale
             self.dropped_invalid += taken.dropped_invalid
+            self.replays_dropped += taken.replays_dropped
             if taken.groups:
                 self.staged.append(taken)
         return _clock() - start
@@ -100,7 +102,8 @@ class BatchFeed:
     def settle(self) -> tuple[int, int]:
         """Wait for a prefetch in progress; (stale, invalid) dropped since the last report."""
         self._join()
-        return self.drops()
+        stale, invalid, _ = self.drops()
+        return stale, invalid
 
     def ack(self, batch: Batch) -> int:
         """Ack a trained batch; returns how many of its groups were pending (all of them)."""
@@ -116,10 +119,10 @@ class BatchFeed:
         held, self.held = self.held, []
         return self.buffer.ack(held, held=True)
 
-    def drops(self) -> tuple[int, int]:
-        """(stale, invalid) dropped since the last call."""
-        out = (self.dropped_stale, self.dropped_invalid)
-        self.dropped_stale = self.dropped_invalid = 0
+    def drops(self) -> tuple[int, int, int]:
+        """(stale, invalid, of those the replays) dropped since the last call."""
+        out = (self.dropped_stale, self.dropped_invalid, self.replays_dropped)
+        self.dropped_stale = self.dropped_invalid = self.replays_dropped = 0
         return out
 
     def close(self) -> None:

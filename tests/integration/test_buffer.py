@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from staleflow.buffer.inflight import InFlight
 from staleflow.buffer.records import Group, Response
 from staleflow.buffer.replay import BufferFullError, ReplayBuffer
 from staleflow.cluster.ledger import Counts, reconcile
+from staleflow.cluster.schedule import Flow
 
 pytestmark = pytest.mark.integration
 
@@ -909,40 +909,55 @@ def test_replay_respects_staleness(redis_url):
 
 def test_replays_dropped_or_in_flight_count_once_when_a_run_reconciles(redis_url):
     # A replay is a group trained before: dropping it stale, or holding it out unacked, must
-    # not count it a second time in the summary's pushed = trained + dropped + left.
+    # not count it a second time in the summary's pushed = trained + dropped + left, nor in
+    # the schedule's count of groups not trained yet (async admission's: it drifted down by
+    # one per replay, trained or dropped, so admission let more batches start than fit).
     buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3, max_staleness=1)
-    counts = Counts()
+    counts, flow = Counts(), Flow()
 
     def take(n: int, version: int):  # counted as the driver counts the learner's reports
         taken = buffer.take(n, version)
         counts.dropped_stale += taken.dropped_stale
         counts.dropped_invalid += taken.dropped_invalid
+        flow.count_drops(taken.dropped_stale + taken.dropped_invalid, taken.replays_dropped)
         pairs = zip(taken.groups, taken.receipts, strict=True)
         names = [g.prompt_id + "*" * r.replay for g, r in pairs]
         return names, taken.receipts
 
+    def train(receipts):  # a step on them, acked (LearnerRank.train's report: its replays)
+        counts.trained += buffer.ack(receipts)
+        flow.count_step(len(receipts), sum(r.replay for r in receipts))
+
     buffer.push_many([group(version=0, prompt="a"), group(version=0, prompt="b")])
+    flow.pushed += 2
     names, receipts = take(2, 0)
     assert names == ["a", "b"]
-    counts.trained += buffer.ack(receipts)
+    train(receipts)
     buffer.push(group(version=1, prompt="c"))
+    flow.pushed += 1
     names, receipts = take(2, 1)  # fresh first, then the least-used replay (a tie: a)
     assert names == ["c", "a*"]
-    counts.trained += buffer.ack(receipts)
+    train(receipts)
+    assert flow.untrained() == 0  # a, b, c trained; a again
     names, _ = take(1, 2)  # the replay b (version 0) is stale at 2 with max_staleness 1
-    assert (names, counts.dropped_stale) == ([], 1)
+    assert (names, counts.dropped_stale, flow.untrained()) == ([], 1, 0)
     buffer.push(group(version=2, prompt="d"))
+    flow.pushed += 1
     names, _ = take(2, 2)  # d, and the replay c (used once; a twice): neither acked
     assert names == ["d", "c*"]
+    # d: 4 pushed - (4 trainings - 1 a replay) - (1 dropped - 1 a replay)
+    assert flow.untrained() == 1
 
     stats = buffer.stats()
     assert (stats.replays_pending, stats.replays_dropped_stale, stats.pending) == (1, 1, 2)
-    groups = reconcile(stats, counts, SimpleNamespace(pushed=4, batches_done=0), 1.0)["groups"]
+    summary = reconcile(stats, counts, flow, 1.0)
+    groups = summary["groups"]
     # 4 pushed = trained once: a, b, c (3) + never trained and still here: d (1)
     assert (groups["pushed"], groups["trained"], groups["left_in_buffer"]) == (4, 3, 1)
     assert (groups["dropped_stale"], groups["replays_dropped"]) == (0, 1)
     assert groups["trainings"] == counts.trained == 4  # a twice, b, c
     assert groups["reconciled"] is True
+    assert summary["driver_counts"]["left_in_buffer"] == 1
 
 
 # ----------------------------------------------------------------------------- capacity

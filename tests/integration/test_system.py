@@ -253,6 +253,25 @@ def test_async_without_a_bound_drops_nothing_and_still_reconciles(tmp_path, ray_
     assert sum(r["pushed"] for r in rollout) == 8 * 2
 
 
+def test_async_replay_run_counts_each_group_once_for_admission(tmp_path, ray_local):
+    # With sampling: replay the learner is offered groups it trained before; with
+    # max_staleness 1 they soon go stale and are dropped as it takes. The schedule counted
+    # each such drop (and each replay trained) as one more group consumed, so its count of
+    # groups not trained yet drifted below zero (-16 in this run's shape) and async
+    # admission let batches start past the buffer's room and the staleness bound. Acks are
+    # made at each step (checkpoint_every 0), so groups become replayable at once.
+    _, _, summary, _ = run_driver(
+        tmp_path, "sync.mode=async", "buffer.sampling=replay", "buffer.max_reuse=3",
+        "buffer.max_staleness=1", "buffer.capacity=8", "run.steps=12",
+        "run.checkpoint_every=0",
+    )  # fmt: skip
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    g = summary["groups"]
+    assert g["replays_dropped"] > 0  # the case this is about happened
+    assert summary["driver_counts"]["left_in_buffer"] == g["left_in_buffer"] >= 0
+
+
 # ----------------------------------------------------------------------------- processes
 
 
