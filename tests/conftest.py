@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,23 @@ def ray_local() -> Iterator[None]:
     )
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_actors(ray_local: None) -> Iterator[Callable[..., object]]:
+    """Kills the actors a test hands it when the test ends, passed or failed: one left by a
+    failed assertion would hold the session Ray's resources (and its ports, its Redis
+    clients) in the tests after it. `actor = ray_actors(Cls.remote(...))`; several at once
+    come back as a tuple."""
+    import ray
+
+    handles: list[object] = []
+
+    def keep(*started: object) -> object:
+        handles.extend(started)
+        return started[0] if len(started) == 1 else started
+
+    yield keep
+    for handle in handles:
+        with contextlib.suppress(Exception):  # killed by the test already, or Ray is gone
+            ray.kill(handle)

@@ -96,7 +96,7 @@ def test_ray_publish_takes_tensors_and_stores_them_as_host_arrays(ray_local):
     assert torch.equal(torch.from_numpy(got["h"].copy()).view(torch.bfloat16), tensors["h"])
 
 
-def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redis_url):
+def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_actors, redis_url):
     # After a sync through the object store, the worker's behaviour log-probs are the
     # learner's own: a step on its fresh groups sees ratio 1 everywhere.
     import ray
@@ -109,7 +109,7 @@ def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redi
     )
     learner = trained_learner()
     handle = RayPublisher().publish(learner.state_dict_for_sync(), version=learner.version)
-    actor = ray.remote(RolloutWorker).remote(cfg, run_id="sync", redis_url=redis_url)
+    actor = ray_actors(ray.remote(RolloutWorker).remote(cfg, run_id="sync", redis_url=redis_url))
     assert ray.get(actor.load_published.remote(handle), timeout=120) == 1
     assert ray.get(actor.run_batch.remote(1), timeout=120).pushed == 3
     groups = ReplayBuffer(redis_url, "sync").take(3, learner_version=1).groups
@@ -117,7 +117,6 @@ def test_synced_worker_actor_samples_exactly_the_learners_policy(ray_local, redi
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((1.0, 1.0), abs=1e-4)
     assert metrics["lag_max"] == 0.0
-    ray.kill(actor)
 
 
 def test_publish_time_is_logged(tmp_path, caplog):
@@ -246,7 +245,7 @@ def test_bucketed_broadcast_over_nccl():
     run_broadcast("nccl")
 
 
-def test_a_failed_weight_load_fails_the_batch_with_its_own_error(ray_local):
+def test_a_failed_weight_load_fails_the_batch_with_its_own_error(ray_actors):
     # The load happens inside the batch's call, so its error is the batch's error, not a later
     # VersionMismatchError. Failure injected by publishing a parameter of the wrong shape.
     import ray
@@ -262,9 +261,8 @@ def test_a_failed_weight_load_fails_the_batch_with_its_own_error(ray_local):
     name = next(iter(arrays))
     arrays[name] = np.zeros((3, 3), np.float32)
     handle = RayPublisher().publish(arrays, version=1)
-    actor = ray.remote(RolloutWorker).remote(cfg, run_id="bad-load")
+    actor = ray_actors(ray.remote(RolloutWorker).remote(cfg, run_id="bad-load"))
     with pytest.raises(WeightLoadError, match=rf"loading weights v1 into the HFEngine failed: "
                        rf"ValueError: parameter '{name}': got shape \(3, 3\)"):  # fmt: skip
         ray.get(actor.run_batch.remote(1, None, handle), timeout=120)
     assert ray.get(actor.run_batch.remote(0), timeout=120).groups == 1  # still usable at v0
-    ray.kill(actor)

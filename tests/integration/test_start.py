@@ -20,22 +20,23 @@ class Role:
             raise ValueError(error)
 
 
-def test_actors_that_start_are_waited_for(ray_local):
+def test_actors_that_start_are_waited_for(ray_actors):
     import ray
 
-    actor = ray.remote(Role).options(num_cpus=0).remote(0.5)
+    actor = ray_actors(ray.remote(Role).options(num_cpus=0).remote(0.5))
     wait_started({"rollout workers": [actor]}, timeout_s=60)
     assert ray.get(actor.__ray_ready__.remote(), timeout=1)
-    ray.kill(actor)
 
 
-def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_local):
+def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_actors):
     import ray
 
-    placed = ray.remote(Role).options(num_cpus=0).remote()
+    placed = ray_actors(ray.remote(Role).options(num_cpus=0).remote())
     # started before the wait (a worker process can take seconds to start on a busy machine)
     ray.get(placed.__ray_ready__.remote(), timeout=120)
-    unplaceable = ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
+    unplaceable = ray_actors(
+        ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
+    )
     started = time.monotonic()
     with pytest.raises(TimeoutError) as raised:
         wait_started({"learner ranks": [placed], "rollout workers": [unplaceable]}, timeout_s=2)
@@ -45,21 +46,17 @@ def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_loc
                               "(run.start_timeout_s); the cluster has {")  # fmt: skip
     assert "'CPU'" in message  # the cluster's resources, free and in all
     assert "learner ranks" not in message  # the one that started is not blamed
-    for actor in (placed, unplaceable):
-        ray.kill(actor)
 
 
-def test_a_constructor_that_raises_ends_the_start_at_once(ray_local):
+def test_a_constructor_that_raises_ends_the_start_at_once(ray_actors):
     import ray
 
-    slow = [ray.remote(Role).options(num_cpus=0).remote(3600.0) for _ in range(2)]
-    failing = ray.remote(Role).options(num_cpus=0).remote(0.2, "no model at /models/x")
+    slow = ray_actors(*(ray.remote(Role).options(num_cpus=0).remote(3600.0) for _ in range(2)))
+    failing = ray_actors(ray.remote(Role).options(num_cpus=0).remote(0.2, "no model at /models/x"))
     with pytest.raises(ActorStartError, match=r"^one of the learner ranks failed to start: "
                        r"ValueError: no model at /models/x$"):  # fmt: skip
         wait_started({"rollout workers": slow, "learner ranks": [failing]}, timeout_s=300)
     # at once: waiting on the slow ones would have ended in a TimeoutError after 300 s
-    for actor in (*slow, failing):
-        ray.kill(actor)
 
 
 def ranks_only(cfg, ranks):
@@ -85,7 +82,7 @@ class Rank:
         time.sleep(seconds)
 
 
-def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_local):
+def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_actors):
     # A rank failing during a checkpoint or broadcast stops the wait at once, and a rank
     # that had not finished starting left its constructor running: the stop's checkpoint
     # and settle then queued behind the other ranks' calls (up to DeepSpeed's 10-minute
@@ -96,7 +93,7 @@ def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_lo
     from staleflow.configs import parse_config
 
     cfg = parse_config("model: {preset: tiny}\n")
-    ranks = [ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2)]
+    ranks = list(ray_actors(*(ray.remote(Rank).options(num_cpus=0).remote() for _ in range(2))))
     group = ranks_only(cfg, ranks)
     assert group.idle(0.1) == "the learner ranks had not all started"
     group.started = True
@@ -107,11 +104,9 @@ def test_ranks_still_in_a_call_the_driver_gave_up_on_are_not_called_again(ray_lo
     assert group.idle(30) is None  # it returned: the ranks take calls again
     group.on_ranks([r.busy.remote(0) for r in ranks], "a publish")
     assert group.idle(0) is None
-    for rank in ranks:
-        ray.kill(rank)
 
 
-def test_a_broadcast_group_is_not_formed_with_a_worker_that_cannot_start(ray_local):
+def test_a_broadcast_group_is_not_formed_with_a_worker_that_cannot_start(ray_actors):
     # A lost worker's replacement (or a scale-up) that no node can hold joined the group at
     # the next publish: learner rank 0 then waited sync.broadcast_timeout_s (900 s) for it
     # in its rendezvous, the run frozen, and the stop blamed the learner.
@@ -124,9 +119,11 @@ def test_a_broadcast_group_is_not_formed_with_a_worker_that_cannot_start(ray_loc
     from staleflow.configs import parse_config
 
     cfg = parse_config("model: {preset: tiny}\nsync: {method: gloo}\nrun: {start_timeout_s: 3}\n")
-    started = ray.remote(Role).options(num_cpus=0).remote()
+    started = ray_actors(ray.remote(Role).options(num_cpus=0).remote())
     ray.get(started.__ray_ready__.remote(), timeout=120)
-    unplaceable = ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
+    unplaceable = ray_actors(
+        ray.remote(Role).options(num_cpus=0, resources={"no_such_node": 1}).remote()
+    )
     slots = [WorkerSlot(0, started), WorkerSlot(1, unplaceable)]
     for slot in slots:
         slot.ready = slot.handle.__ray_ready__.remote()
@@ -140,8 +137,6 @@ def test_a_broadcast_group_is_not_formed_with_a_worker_that_cannot_start(ray_loc
     assert time.monotonic() - begun >= 2  # counted from when it was added
     assert slots[0].ready is None  # the started one seen
     assert waited  # and the driver's checks (a dead Redis) ran meanwhile
-    for actor in (started, unplaceable):
-        ray.kill(actor)
 
 
 class Member:
@@ -162,7 +157,7 @@ class Member:
         raise RuntimeError("out of memory receiving the bucket")
 
 
-def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_local):
+def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_actors):
     # The worker's call failed at once, but learner rank 0 stayed in the collective until
     # sync.broadcast_timeout_s (900 s by default), and the stop's checkpoint waited behind
     # it. The failed worker is now killed: its connection closes and rank 0's call returns.
@@ -174,7 +169,7 @@ def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_
     from staleflow.configs import parse_config
 
     timeout = 120.0
-    rank0, engine = (ray.remote(Member).options(num_cpus=0).remote() for _ in range(2))
+    rank0, engine = ray_actors(*(ray.remote(Member).options(num_cpus=0).remote() for _ in range(2)))
     port = free_port()
     ray.get([rank0.open.remote(port, 0, timeout), engine.open.remote(port, 1, timeout)])
     cfg = parse_config("model: {preset: tiny}\nsync: {method: gloo}\n")
@@ -185,4 +180,3 @@ def test_a_worker_failing_its_part_of_a_broadcast_does_not_hold_the_learner(ray_
         group.on_ranks([rank0.send.remote()], "the weight broadcast of v1",
                        [(slot, engine.fail.remote())])  # fmt: skip
     assert group.idle(30) is None  # rank 0's call returned (with its error) long before 120 s
-    ray.kill(rank0)

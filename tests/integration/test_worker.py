@@ -141,11 +141,11 @@ def test_two_workers_draw_different_prompts():
     assert [p.prompt_id for p in a.next_prompts(20)] != [p.prompt_id for p in b.next_prompts(20)]
 
 
-def test_worker_as_a_ray_actor_pushes_into_redis(ray_local, redis_url):
+def test_worker_as_a_ray_actor_pushes_into_redis(ray_actors, redis_url):
     import ray
 
     cfg = parse_config(CONFIG)
-    actor = (
+    actor = ray_actors(
         ray.remote(RolloutWorker)
         .options(num_cpus=1)
         .remote(cfg, run_id="ray-run", worker_index=2, redis_url=redis_url)
@@ -162,7 +162,6 @@ def test_worker_as_a_ray_actor_pushes_into_redis(ray_local, redis_url):
     taken = ReplayBuffer(redis_url, "ray-run").take(10, learner_version=1)
     assert sorted(g.policy_version for g in taken.groups) == [0, 0, 0, 1, 1, 1]
     assert {g.worker_id for g in taken.groups} == {"ray-run-w2"}
-    ray.kill(actor)
 
 
 def _custom_worker(tmp_path, monkeypatch, body: str, *overrides: str) -> RolloutWorker:
