@@ -38,7 +38,7 @@ from staleflow.cluster.failures import (
     remote_cause,
 )
 from staleflow.cluster.learner_rank import LearnerRank
-from staleflow.cluster.resources import ipc_bundle
+from staleflow.cluster.resources import ipc_bundle, strictly_spread
 from staleflow.learner.device import hidden_gpus_env
 from staleflow.learner.sync_group import node_address
 
@@ -441,9 +441,10 @@ class LearnerGroup:
         bundles = [dict(bundle) for _ in range(learner.num_ranks)]
         if self.cfg.sync.method == "ipc":  # the workers open rank 0's memory: its bundle
             bundles[0] = ipc_bundle(bundles[0], self.cfg.rollout)
+        strategy = "PACK" if learner.placement == "pack" else "SPREAD"
         self.group = placement_group(
             bundles,
-            strategy="PACK" if learner.placement == "pack" else "SPREAD",
+            strategy="STRICT_SPREAD" if strictly_spread(learner) else strategy,
             name=f"staleflow-learner-{self.run_id or os.getpid()}",
         )
         timeout = self.cfg.run.start_timeout_s

@@ -29,6 +29,7 @@ __all__ = [
     "ipc_bundle",
     "ipc_scale_refusal",
     "run_requests",
+    "strictly_spread",
 ]
 
 _EPS = 1e-9
@@ -45,6 +46,7 @@ class ActorRequest:
     gpus: float
     kind: str = ""  # what refusals count it as; default: `role` less its index
     custom: Mapping[str, float] = field(default_factory=dict)  # learner/rollout.resources
+    apart: str = ""  # requests with the same tag go on different nodes (Ray's STRICT_SPREAD)
 
     def counted_as(self) -> str:
         return self.kind or self.role.rsplit(" ", 1)[0]
@@ -105,12 +107,25 @@ def ipc_bundle(rank0: Mapping[str, float], rollout: Any) -> dict[str, float]:
     return out
 
 
+def strictly_spread(learner: Any) -> bool:
+    """Whether the learner's ranks must each have a node of their own: spread, with a GPU
+    share below 1. Ray gives fractional shares from the first GPU with room, so two ranks on
+    one node would share a GPU, where NCCL refuses to join them (after the model loads); plain
+    SPREAD is only best effort. Whole GPUs need no more than SPREAD: one GPU per rank."""
+    return learner.placement == "spread" and learner.num_ranks > 1 and 0 < learner.gpus_per_rank < 1
+
+
 def run_requests(cfg: Any) -> list[ActorRequest]:
     """Every actor the run starts, with the resources placement.py asks Ray for."""
     learner, rollout = cfg.learner, cfg.rollout
+    apart = "learner ranks" if strictly_spread(learner) else ""
     ranks = [
         ActorRequest(
-            f"learner rank {r}", 1.0, learner.gpus_per_rank, custom=dict(learner.resources)
+            f"learner rank {r}",
+            1.0,
+            learner.gpus_per_rank,
+            custom=dict(learner.resources),
+            apart=apart,
         )
         for r in range(learner.num_ranks)
     ]
@@ -136,6 +151,7 @@ def run_requests(cfg: Any) -> list[ActorRequest]:
             bundle.pop("GPU"),
             kind=IPC_BUNDLE,
             custom=bundle,
+            apart=apart,
         )
         workers = []
     return ranks + workers
@@ -167,9 +183,15 @@ def fit(
     (default: which config keys to change)."""
     free = [NodeCapacity(n.name, n.cpus, list(n.gpus), dict(n.custom)) for n in nodes]
     order = sorted(requests, key=lambda r: (-r.gpus, -r.cpus))
+    used: dict[str, set[int]] = {}  # an `apart` tag -> the nodes holding one of its requests
     for request in order:
-        if not any(node.take(request) for node in free):
+        taken = used.setdefault(request.apart, set()) if request.apart else set()
+        placed = next(
+            (i for i, node in enumerate(free) if i not in taken and node.take(request)), None
+        )
+        if placed is None:
             raise PlacementError(_refusal(request, requests, nodes, hint))
+        taken.add(placed)
 
 
 def _refusal(
@@ -206,6 +228,13 @@ def _refusal(
 
 def _config_hint(failed: ActorRequest) -> str:
     """Which config keys to change when `failed` fits on no node."""
+    if failed.apart:
+        return (
+            "learner.placement: spread with a GPU share below 1 (learner.gpus_per_rank) puts "
+            "each learner rank on a node of its own: on one node two ranks would share a GPU, "
+            "which NCCL refuses. Add nodes with a GPU, give each rank a whole GPU "
+            "(learner.gpus_per_rank=1), or use one rank"
+        )
     if failed.kind == IPC_BUNDLE:
         return (
             "sync.method: ipc keeps learner rank 0 and every rollout worker in one placement "

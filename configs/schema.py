@@ -571,7 +571,8 @@ class LearnerConfig(Frozen):
         "pack",
         description="Where the ranks go on a multi-node cluster: 'pack' fills a node before "
         "the next (ranks talk over NCCL within a node), 'spread' one rank per node as far as "
-        "possible. The ranks rendezvous on rank 0's node either way.",
+        "possible (strictly, with gpus_per_rank below 1: two ranks cannot share a GPU). The "
+        "ranks rendezvous on rank 0's node either way.",
     )
     reference_model: bool = Field(
         False,

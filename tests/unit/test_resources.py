@@ -389,3 +389,33 @@ def test_a_loopback_address_passes_if_this_nodes_address_answers_as_ray(monkeypa
     with gcs, redis_like:
         start_ray(f"127.0.0.1:{port}")
     assert len(called) == 1
+
+
+def test_spread_ranks_with_a_gpu_share_each_need_a_node_of_their_own():
+    # Two ranks at 0.5 GPU each, spread: Ray's SPREAD is best effort and gives fractional
+    # shares from the first GPU with room, so on one node both landed on GPU 0, and NCCL
+    # refused the duplicate GPU after the model loaded. They now need two nodes.
+    run = cfg("learner.num_ranks=2", "learner.gpus_per_rank=0.5", "learner.placement=spread")
+    one_node = [NodeCapacity.of("10.0.0.5", cpus=16, gpus=2)]
+    with pytest.raises(PlacementError) as err:
+        fit(run_requests(run), one_node)
+    assert "learner rank 1 (1 CPU, 0.5 GPU) fits on no node" in str(err.value)
+    assert "puts each learner rank on a node of its own" in str(err.value)
+    fit(run_requests(run), [NodeCapacity.of(f"10.0.0.{i}", cpus=16, gpus=1) for i in (5, 6)])
+    # whole GPUs, or packed (refused by the config for shares), or one rank: no such rule
+    whole = cfg("learner.num_ranks=2", "learner.gpus_per_rank=1", "learner.placement=spread")
+    fit(run_requests(whole), one_node)
+    assert {r.apart for r in run_requests(whole)} == {""}
+
+
+def test_the_strict_spread_rule_holds_for_the_ipc_bundle_too():
+    spread = ("learner.num_ranks=2", "learner.gpus_per_rank=0.5", "learner.placement=spread")
+    run = cfg(*spread, "sync.method=ipc", "rollout.num_workers=1", "rollout.gpus_per_worker=0.5")
+    requests = run_requests(run)
+    assert [(r.role, r.gpus, r.apart) for r in requests] == [
+        ("learner rank 0 with rollout worker 0", 1.0, "learner ranks"),
+        ("learner rank 1", 0.5, "learner ranks"),
+    ]
+    with pytest.raises(PlacementError, match="on a node of its own"):
+        fit(requests, [NodeCapacity.of("n", cpus=16, gpus=2)])
+    fit(requests, [NodeCapacity.of(n, cpus=16, gpus=1) for n in "ab"])
