@@ -110,7 +110,10 @@ class TaskConfig(Frozen):
         "held out for evaluation (chosen by a hash of the problem; never trained on).",
     )
     eval_temperature: float = Field(
-        1.0, ge=0.0, le=10.0, description="Sampling temperature at evaluation (0 = greedy)."
+        1.0,
+        ge=0.0,
+        le=10.0,
+        description="Sampling temperature at evaluation (0 = greedy; vllm: 0 or 0.01-2).",
     )
     max_reward_errors: float = Field(
         0.1,
@@ -248,7 +251,10 @@ class RolloutConfig(Frozen):
     prompts_per_batch: int = Field(8, ge=1, le=65_536, description="Prompts per rollout batch.")
     group_size: int = Field(8, ge=1, le=1024, description="K, responses sampled per prompt.")
     temperature: float = Field(
-        1.0, gt=0.0, le=10.0, description="Sampling temperature (the learner uses the same)."
+        1.0,
+        gt=0.0,
+        le=10.0,
+        description="Sampling temperature (the learner uses the same; vllm: 0.01-2).",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (1 disables).")
     top_k: int = Field(0, ge=0, description="Sample from the k most likely tokens (0 disables).")
@@ -729,6 +735,10 @@ class RunSection(Frozen):
     )
 
 
+VLLM_TEMPERATURES = (0.01, 2.0)
+"""The sampling temperatures vLLM takes as given (its SamplingParams, version 0.25)."""
+
+
 class RunConfig(Frozen):
     """A whole staleflow run."""
 
@@ -739,6 +749,29 @@ class RunConfig(Frozen):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learner.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight-sync schedule.")
     run: RunSection = Field(default_factory=RunSection, description="Length, seed and output.")
+
+    @model_validator(mode="after")
+    def _vllm_temperatures(self) -> RunConfig:
+        # vLLM 0.25 refuses a temperature above 2 on every request (each batch would fail
+        # and be redone until the run stops), and raises one below 0.01 to 0.01 without a
+        # word: the behaviour log-probs would then be another policy's than the learner's.
+        if self.rollout.engine != "vllm":
+            return self
+        for key, value in (
+            ("rollout.temperature", self.rollout.temperature),
+            ("task.eval_temperature", self.task.eval_temperature),
+        ):
+            if value == 0 and key == "task.eval_temperature":
+                continue  # greedy
+            if not VLLM_TEMPERATURES[0] <= value <= VLLM_TEMPERATURES[1]:
+                low, high = VLLM_TEMPERATURES
+                raise ValueError(
+                    f"{key}={value:g}: rollout.engine vllm samples at temperatures from {low:g} "
+                    f"to {high:g}"
+                    + (" (or 0, greedy)" if key == "task.eval_temperature" else "")
+                    + f"; set {key} in that range, or use rollout.engine hf"
+                )
+        return self
 
 
 _ARITHMETIC_ONLY = ("difficulty", "operations", "format_reward")

@@ -732,3 +732,26 @@ def test_a_config_with_a_masked_password_stays_valid_json(tmp_path, url):
     run = RunDir.create(str(tmp_path), "r")
     run.config.write_text(dump_redacted(cfg))  # as the driver writes it
     assert run.check_exists() is run
+
+
+@pytest.mark.parametrize(
+    ("override", "refused"),
+    [
+        ("rollout.temperature=2.5", True),  # vLLM refuses it on every request
+        ("rollout.temperature=0.005", True),  # vLLM would sample at 0.01 instead
+        ("rollout.temperature=2", False),
+        ("rollout.temperature=0.01", False),
+        ("task.eval_temperature=0", False),  # greedy
+        ("task.eval_temperature=0.001", True),
+        ("task.eval_temperature=3", True),
+    ],
+)
+def test_vllm_temperatures_are_those_vllm_samples_at(override, refused):
+    key = override.split("=")[0]
+    if refused:
+        with pytest.raises(ConfigError, match=rf"{key}=\S+: rollout.engine vllm samples at "
+                           r"temperatures from 0.01 to 2"):  # fmt: skip
+            parse_config("model: {preset: tiny}\n", ["rollout.engine=vllm", override])
+    else:
+        parse_config("model: {preset: tiny}\n", ["rollout.engine=vllm", override])
+    parse_config("model: {preset: tiny}\n", [override])  # the hf engine takes any of them
