@@ -158,6 +158,38 @@ def parameter_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+# vLLM's finish reasons -> a record's: eos or a stop string, max_tokens, cut short, and its
+# repetition detector's stop (an end the policy's own samples made)
+_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "repetition": "stop"}
+
+
+def completions_of(outputs: Iterable[Any]) -> list[list[Completion]]:
+    """vLLM's RequestOutputs (one per prompt, in order) as completions: tokens, each sampled
+    token's log-prob, why it ended, text. A response vLLM ended with an internal error
+    (finish reason "error"), or with a reason this build does not know, fails the batch
+    (it is redone) rather than being scored and trained on as if it had ended by itself."""
+    result = []
+    for j, output in enumerate(outputs):
+        row = []
+        for i, c in enumerate(output.outputs):
+            reason = _FINISH.get(c.finish_reason)
+            if reason is None:
+                raise RuntimeError(
+                    f"vLLM ended response {i} of prompt {j} of the batch with finish reason "
+                    f"{c.finish_reason!r}"
+                    + (" (an internal error of the request)" if c.finish_reason == "error" else "")
+                    + f"; the batch is not trained on (known reasons: {', '.join(_FINISH)})"
+                )
+            tokens = np.asarray(c.token_ids, dtype=np.int32)
+            logprobs = np.asarray(
+                [step[t].logprob for step, t in zip(c.logprobs or [], c.token_ids, strict=True)],
+                dtype=np.float32,
+            )
+            row.append(Completion(tokens, logprobs, reason, c.text))
+        result.append(row)
+    return result
+
+
 class VLLMEngine:
     """An in-process `vllm.LLM` behind the RolloutEngine interface."""
 
@@ -281,23 +313,7 @@ class VLLMEngine:
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False
         )
-        result = []
-        for output in outputs:
-            row = []
-            for c in output.outputs:
-                tokens = np.asarray(c.token_ids, dtype=np.int32)
-                logprobs = np.asarray(
-                    [
-                        step[t].logprob
-                        for step, t in zip(c.logprobs or [], c.token_ids, strict=True)
-                    ],
-                    dtype=np.float32,
-                )
-                # eos or a stop string, max_tokens, or cut short (vLLM's own words)
-                reason = c.finish_reason if c.finish_reason in ("length", "abort") else "stop"
-                row.append(Completion(tokens, logprobs, reason, c.text))
-            result.append(row)
-        return result
+        return completions_of(outputs)
 
     def load_weights(self, weights: WeightsUpdate, version: int) -> None:
         """Send the update bucket by bucket; vLLM raises any worker's error here, and the
