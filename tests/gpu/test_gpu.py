@@ -100,20 +100,24 @@ def test_tiny_run_on_one_gpu_with_vllm_in_its_default_mode(tmp_path, ray_gpu):
               "rollout.vllm.max_model_len=256", "rollout.vllm.enforce_eager=true")  # fmt: skip
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", ["hf", "vllm", "vllm-cuda-graphs"])
 def test_tiny_run_on_one_gpu_with_ipc_sync(tmp_path, ray_gpu, engine):
     # learner and worker share the GPU; every publish reaches the engine through CUDA IPC.
     # Lag 0 with pi / mu = 1 on every token shows each one arrived (an engine a version
     # behind samples from weights one Adam step at lr 3e-3 away); the 1e-2 allows for the
-    # GPU's generation kernels against the learner's forward pass, not for a missed update
+    # GPU's generation kernels against the learner's forward pass, not for a missed update.
+    # vllm-cuda-graphs: vLLM's default mode (CUDA graphs, torch.compile), where a reload must
+    # write into the tensors the captured graphs read, or they sample from the old weights.
+    eager = "false" if engine == "vllm-cuda-graphs" else "true"
     vllm = ("rollout.vllm.gpu_memory_utilization=0.3", "rollout.vllm.max_model_len=256",
-            "rollout.vllm.enforce_eager=true")  # fmt: skip
-    if engine == "vllm":
+            f"rollout.vllm.enforce_eager={eager}")  # fmt: skip
+    if engine != "hf":
         need_vllm()
     from tests.integration.tiny import steps_of
 
-    _summary, records = _tiny_run(tmp_path, "sync.method=ipc", f"rollout.engine={engine}",
-                                  *(vllm if engine == "vllm" else ()))  # fmt: skip
+    _summary, records = _tiny_run(tmp_path, "sync.method=ipc",
+                                  f"rollout.engine={engine.split('-')[0]}",
+                                  *(vllm if engine != "hf" else ()))  # fmt: skip
     rows = steps_of(records)
     assert [r["lag_max"] for r in rows] == [0.0] * 20
     for r in rows:
