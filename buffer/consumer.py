@@ -144,9 +144,11 @@ class Consumer:
             raise
         if ack_args:
             acked = self._acked(ack_args, late)
-        if bad:  # (a replay decoded when first taken: in practice none of these is one)
-            invalid = self._drop_entries(bad, "invalid")
-            replays_dropped += min(invalid, sum(1 for _, replay, _ in bad if replay))
+        if bad:  # replays apart, counted exactly (in practice none: each decoded once before)
+            invalid = self._drop_entries([b for b in bad if not b[1]], "invalid")
+            bad_replays = self._drop_entries([b for b in bad if b[1]], "invalid")  # none: no call
+            invalid += bad_replays
+            replays_dropped += bad_replays
         return Taken(groups, receipts, stale, invalid, acked, replays_dropped)
 
     def _put_back(self, taken: list[_Entry]) -> None:

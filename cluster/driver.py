@@ -713,9 +713,10 @@ class Driver(CheckpointMixin):
                 self._checkpoint(final=status == "completed")
             if self.buffer is not None and not self.buffer_lost:
                 if learner_ok:
-                    stale, invalid = self.learner.settle()  # no take races the counts
+                    stale, invalid, replays = self.learner.settle()  # no take races the counts
                     self.counts.dropped_stale += stale
                     self.counts.dropped_invalid += invalid
+                    self.flow.count_drops(stale + invalid, replays)
                 elapsed = time.time() - self.started
                 summary.update(reconcile(self.buffer.stats(), self.counts, self.flow, elapsed))
         except BufferConnectionError as exc:  # says all there is to say: no traceback

@@ -265,9 +265,10 @@ class LearnerRank:
         self.feed.buffer.ack(receipts)
         return self.feed.buffer.recover()
 
-    def settle(self) -> tuple[int, int]:
-        """Rank 0: wait for a prefetch in progress; (stale, invalid) it dropped unreported."""
-        return self.feed.settle() if self.feed is not None else (0, 0)
+    def settle(self) -> tuple[int, int, int]:
+        """Rank 0: wait for a prefetch in progress; (stale, invalid, of those the replays) it
+        dropped unreported."""
+        return self.feed.settle() if self.feed is not None else (0, 0, 0)
 
     def close(self) -> None:
         """Let a prefetch in progress finish, flush the trajectory record, remove shared

@@ -99,7 +99,9 @@ def reconcile(stats: Any, c: Counts, flow: Any, elapsed: float) -> dict[str, Any
             "dropped_stale": c.dropped_stale,
             "dropped_invalid": c.dropped_invalid,
             "pushed_by_finished_batches": flow.pushed,
-            "left_in_buffer": flow.left(),  # as the schedule counts it
+            # as the schedule counts it: below the buffer's own count by any part of a batch
+            # the run stopped before hearing of (pushed, its report not in yet)
+            "left_in_buffer": flow.left(),
         },
         "pushed_by_version": stats.pushed_by_version,
         "trained_by_version": stats.trained_by_version,

@@ -441,10 +441,10 @@ class LearnerGroup:
         bundles = [dict(bundle) for _ in range(learner.num_ranks)]
         if self.cfg.sync.method == "ipc":  # the workers open rank 0's memory: its bundle
             bundles[0] = ipc_bundle(bundles[0], self.cfg.rollout)
-        strategy = "PACK" if learner.placement == "pack" else "SPREAD"
+        strategy = "STRICT_SPREAD" if strictly_spread(learner) else learner.placement.upper()
         self.group = placement_group(
             bundles,
-            strategy="STRICT_SPREAD" if strictly_spread(learner) else strategy,
+            strategy=strategy,
             name=f"staleflow-learner-{self.run_id or os.getpid()}",
         )
         timeout = self.cfg.run.start_timeout_s
@@ -509,8 +509,9 @@ class LearnerGroup:
         ref = self.ranks[0].save_shared.remote(versions, os.path.abspath(directory))
         self.on_ranks([ref], "a checkpoint")
 
-    def settle(self) -> tuple[int, int]:
-        """No take in progress afterwards; what the last prefetch dropped (stale, invalid)."""
+    def settle(self) -> tuple[int, int, int]:
+        """No take in progress afterwards; what the last prefetch dropped (stale, invalid, of
+        those the replays)."""
         return tuple(self.on_ranks([self.ranks[0].settle.remote()], "the stop")[0])  # type: ignore[return-value]
 
     def save(self, path: str, extra: dict[str, Any]) -> None:

@@ -234,6 +234,9 @@ class CheckpointMixin:
         # the buffer's counts are final (drops since the checkpoint included), as above
         replays_dropped = stats.replays_dropped_stale + stats.replays_dropped_invalid
         self.flow.replays_dropped = max(self.flow.replays_dropped, replays_dropped)
+        # replays trained up to the checkpoint, all acked by now (the load acked them if the
+        # checkpoint had not): what a checkpoint written before Flow kept them left at 0
+        self.flow.replayed = max(self.flow.replayed, stats.reused)
         self.redo = r.redo  # before publishing: their versions are kept
         for version, directory in old.items():
             self._published(republish(self.cfg, version, directory, self.services.publish_dir))

@@ -99,11 +99,11 @@ class BatchFeed:
         spent, self._waited = self._waited + spent, 0.0
         return Batch(groups, receipts, take_s=spent)
 
-    def settle(self) -> tuple[int, int]:
-        """Wait for a prefetch in progress; (stale, invalid) dropped since the last report."""
+    def settle(self) -> tuple[int, int, int]:
+        """Wait for a prefetch in progress; what was dropped since the last report, as
+        `drops`."""
         self._join()
-        stale, invalid, _ = self.drops()
-        return stale, invalid
+        return self.drops()
 
     def ack(self, batch: Batch) -> int:
         """Ack a trained batch; returns how many of its groups were pending (all of them)."""

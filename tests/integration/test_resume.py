@@ -86,6 +86,36 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     assert 0 < summary["learner_busy"] <= 1
 
 
+def test_resuming_a_replay_run_from_a_checkpoint_older_than_its_replay_counts(tmp_path, ray_local):
+    # Checkpoints written before the schedule counted replays apart (Flow.replayed) hold
+    # trainings that include replays: resumed as 0 replays, the count of groups not trained
+    # yet came out negative and async admission went on drifting. The buffer's own count of
+    # replay trainings (acked by the checkpoint) restores it.
+    # steps of 8 groups from batches of 1 prompt: the learner outruns the worker, and the
+    # steps are filled with replays (acked, so replayable, at each step's checkpoint)
+    base = ["run.name=r", "sync.mode=async", "buffer.sampling=replay", "buffer.max_reuse=3",
+            "learner.groups_per_step=8", "rollout.prompts_per_batch=1",
+            "run.checkpoint_every=1", ONE_WORKER]  # fmt: skip
+    _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=6")
+    assert first["status"] == "completed"
+    assert first["groups"]["trainings"] > first["groups"]["trained"]  # replays were trained
+    latest = run.checkpoints / "step-000006/trainer.json"
+    trainer = json.loads(latest.read_text())
+    flow = trainer["extra"]["driver"]["flow"]
+    replayed = flow.pop("replayed")
+    assert replayed == first["groups"]["trainings"] - first["groups"]["trained"] > 0
+    flow.pop("replays_dropped")
+    latest.write_text(json.dumps(trainer))  # as an older staleflow wrote it
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base, "run.steps=10"])
+    driver = Driver(cfg, RunDir(run.path), resume=True)
+    summary = driver.run()
+    assert summary["status"] == "completed"
+    assert_reconciled(summary)
+    assert driver.flow.replayed >= replayed
+    assert 0 <= summary["driver_counts"]["left_in_buffer"] <= summary["groups"]["left_in_buffer"]
+
+
 def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(
     tmp_path, ray_local, monkeypatch
 ):

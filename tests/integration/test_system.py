@@ -269,7 +269,9 @@ def test_async_replay_run_counts_each_group_once_for_admission(tmp_path, ray_loc
     assert_reconciled(summary)
     g = summary["groups"]
     assert g["replays_dropped"] > 0  # the case this is about happened
-    assert summary["driver_counts"]["left_in_buffer"] == g["left_in_buffer"] >= 0
+    # never negative now; below the buffer's count only by groups the driver had not heard
+    # were pushed when the run ended (0 here when every batch had finished)
+    assert 0 <= summary["driver_counts"]["left_in_buffer"] <= g["left_in_buffer"]
 
 
 # ----------------------------------------------------------------------------- processes
