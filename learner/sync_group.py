@@ -90,8 +90,8 @@ class SyncGroup:
 
         The members changed, often because one was lost: the old group is aborted (`close`),
         which does not wait for the others (every member still there reopens too)."""
-        if previous is not None:
-            previous.close(abort=True)
+        if previous is not None:  # the new group's members wait timeout_s for this one
+            previous.close(abort=True, wait_s=min(CLOSE_WAIT_S, timeout_s / 2))
         return cls.open(backend, host, port, rank, world_size, timeout_s)
 
     @property
