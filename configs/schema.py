@@ -58,7 +58,9 @@ class ModelConfig(Frozen):
         None, description="Local Hugging Face model directory (instead of a preset)."
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Parameter dtype for training and rollout."
+        "float32",
+        description="Parameter dtype for training and rollout (bfloat16 under ZeRO 1-3: "
+        "micro-batch gradients are summed in float32; at ZeRO 0 in bfloat16).",
     )
     seed: int = Field(
         0, ge=0, le=_SEED_MAX, description="Seed that builds the 'tiny' preset's weights."

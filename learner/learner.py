@@ -549,6 +549,14 @@ def _ds_config(cfg: Any) -> dict[str, Any]:
         "gradient_clipping": (learner.optimizer.grad_clip or 0.0) if learner.zero_stage else 0.0,
         "zero_optimization": {"stage": learner.zero_stage},
         "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        # bf16 under ZeRO: micro-batches' gradients summed in fp32, not in bf16 (DeepSpeed's
+        # default is the model's dtype; ZeRO 1 then uses its BF16_Optimizer). Without ZeRO,
+        # DeepSpeed 0.19 has no such mode (it refuses the mix).
+        **(
+            {"data_types": {"grad_accum_dtype": "fp32"}}
+            if cfg.model.dtype == "bfloat16" and learner.zero_stage
+            else {}
+        ),
         "steps_per_print": 2**31 - 1,
         "zero_allow_untested_optimizer": True,
     }

@@ -468,3 +468,31 @@ def dataclasses_replace_rewards(group: Group, rewards: list[float]) -> Group:
         responses=[Response(list(r.token_ids), list(r.behavior_logp), reward, r.finish_reason)
                    for r, reward in zip(group.responses, rewards, strict=True)],
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bfloat16_under_zero_sums_micro_batch_gradients_in_fp32(stage, tmp_path):
+    # DeepSpeed sums micro-batches' gradients in the model's dtype unless told otherwise: in
+    # bf16 (8 bits of mantissa) for the paper config (bf16, ZeRO 2, micro_batch_size 4).
+    # ZeRO 1 then takes DeepSpeed's BF16_Optimizer (fp32 accumulation), ZeRO 2-3 keep their
+    # optimizer with fp32 accumulation buffers; a checkpoint round trip trains on the same.
+    cfg = parse_config(
+        f"model: {{preset: tiny, dtype: bfloat16}}\nlearner: {{zero_stage: {stage}, "
+        "micro_batch_size: 2, optimizer: {lr: 1.0e-3}}\n"
+    )
+    learner = Learner(cfg)
+    optimizer = learner.engine.optimizer
+    if stage == 1:
+        assert type(optimizer).__name__ == "BF16_Optimizer"
+    else:
+        assert optimizer.gradient_accumulation_dtype == torch.float32
+    learner.step(sampled_groups(behaviour_seed=1))
+    learner.save(tmp_path / "ckpt", {"step": 1})
+    resumed = Learner(cfg)
+    resumed.load(tmp_path / "ckpt")
+    a = learner.step(sampled_groups(behaviour_seed=2))
+    b = resumed.step(sampled_groups(behaviour_seed=2))
+    assert a["loss"] == b["loss"]
+    for (name, p), q in zip(learner.model.state_dict().items(),
+                            resumed.model.state_dict().values(), strict=True):  # fmt: skip
+        assert torch.equal(p, q), name
