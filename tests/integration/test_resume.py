@@ -91,11 +91,14 @@ def test_resuming_a_replay_run_from_a_checkpoint_older_than_its_replay_counts(tm
     # trainings that include replays: resumed as 0 replays, the count of groups not trained
     # yet came out negative and async admission went on drifting. The buffer's own count of
     # replay trainings (acked by the checkpoint) restores it.
-    # steps of 8 groups from batches of 1 prompt: the learner outruns the worker, and the
-    # steps are filled with replays (acked, so replayable, at each step's checkpoint)
+    # Steps of 8 groups from batches of 1 prompt of 64 generated tokens (64 forward passes in
+    # turn): a step's data takes the worker about ten times the learner's step, so the steps
+    # after the first are filled with replays (acked, so replayable, at each step's
+    # checkpoint), whatever else the machine runs. (With 4 tokens the worker kept up under
+    # CI's load, and no replay was trained.)
     base = ["run.name=r", "sync.mode=async", "buffer.sampling=replay", "buffer.max_reuse=3",
             "learner.groups_per_step=8", "rollout.prompts_per_batch=1",
-            "run.checkpoint_every=1", ONE_WORKER]  # fmt: skip
+            "rollout.max_new_tokens=64", "run.checkpoint_every=1", ONE_WORKER]  # fmt: skip
     _cfg, run, first, _ = run_driver(tmp_path, *base, "run.steps=6")
     assert first["status"] == "completed"
     assert first["groups"]["trainings"] > first["groups"]["trained"]  # replays were trained
