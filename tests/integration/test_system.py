@@ -257,13 +257,16 @@ def test_async_replay_run_counts_each_group_once_for_admission(tmp_path, ray_loc
     # With sampling: replay the learner is offered groups it trained before; with
     # max_staleness 1 they soon go stale and are dropped as it takes. The schedule counted
     # each such drop (and each replay trained) as one more group consumed, so its count of
-    # groups not trained yet drifted below zero (-16 in this run's shape) and async
+    # groups not trained yet drifted below zero (-16 after 12 steps of 2 groups) and async
     # admission let batches start past the buffer's room and the staleness bound. Acks are
     # made at each step (checkpoint_every 0), so groups become replayable at once.
+    # Steps of 8 groups from batches of 1 prompt of 64 generated tokens: the workers are the
+    # slow side under any load, so takes come up short and are offered replays.
     _, _, summary, _ = run_driver(
         tmp_path, "sync.mode=async", "buffer.sampling=replay", "buffer.max_reuse=3",
-        "buffer.max_staleness=1", "buffer.capacity=8", "run.steps=12",
-        "run.checkpoint_every=0",
+        "buffer.max_staleness=1", "buffer.capacity=8", "run.steps=6",
+        "run.checkpoint_every=0", "learner.groups_per_step=8", "rollout.prompts_per_batch=1",
+        "rollout.max_new_tokens=64",
     )  # fmt: skip
     assert summary["status"] == "completed"
     assert_reconciled(summary)
