@@ -214,9 +214,7 @@ class Driver(CheckpointMixin):
     def _account(self, report: Any) -> None:
         """Count what a learner call did (also for a call the run is not waiting for)."""
         c, flow = self.counts, self.flow
-        c.dropped_stale += report.dropped_stale
-        c.dropped_invalid += report.dropped_invalid
-        flow.count_drops(report.dropped_stale + report.dropped_invalid, report.replays_dropped)
+        self._count_drops(report.dropped_stale, report.dropped_invalid, report.replays_dropped)
         if not report.trained:
             return
         if self.cfg.run.checkpoint_every == 0 and report.acked != report.metrics["groups"]:
@@ -228,6 +226,13 @@ class Driver(CheckpointMixin):
         flow.count_step(int(report.metrics["groups"]), report.replays)
         c.trained += report.acked
         c.learner_s += report.timeline["step_s"]
+
+    def _count_drops(self, stale: int, invalid: int, replays: int) -> None:
+        """What the buffer dropped while the learner took (replays among them), in the
+        run's counts and the schedule's."""
+        self.counts.dropped_stale += stale
+        self.counts.dropped_invalid += invalid
+        self.flow.count_drops(stale + invalid, replays)
 
     def _on_learner_done(self) -> None:
         import ray
@@ -713,10 +718,7 @@ class Driver(CheckpointMixin):
                 self._checkpoint(final=status == "completed")
             if self.buffer is not None and not self.buffer_lost:
                 if learner_ok:
-                    stale, invalid, replays = self.learner.settle()  # no take races the counts
-                    self.counts.dropped_stale += stale
-                    self.counts.dropped_invalid += invalid
-                    self.flow.count_drops(stale + invalid, replays)
+                    self._count_drops(*self.learner.settle())  # no take races the counts
                 elapsed = time.time() - self.started
                 summary.update(reconcile(self.buffer.stats(), self.counts, self.flow, elapsed))
         except BufferConnectionError as exc:  # says all there is to say: no traceback
