@@ -355,13 +355,33 @@ class Driver(CheckpointMixin):
 
     def _publish(self) -> None:
         """Publish the learner's current weights outside a learner call (the first version,
-        broadcast methods, evaluations off the sync schedule)."""
+        broadcast methods, evaluations off the sync schedule).
+
+        A broadcast first lets every member finish the calls it has in flight (rollout parts,
+        evaluations), handling their ends here as at any other time: a member lost meanwhile
+        is one lost mid-batch (its part is redone on another member, which still holds the
+        part's version, and a new worker joins at this publish), not a failed broadcast. The
+        broadcast would otherwise wait for those calls inside the collective, where a
+        member's death also fails learner rank 0's call, and the run stopped."""
+        if self.sync.broadcasts:
+            while self.learning is None and self._members_busy():
+                self._wait()
         if self._deferred_workers is not None:  # broadcast: new workers join at a publish
             self._scale(self._deferred_workers)
             self._deferred_workers = None
+            self._publish_when_idle = False  # this publish is the one they wait for
         start = time.monotonic()
         self._published(self.sync.publish(self.step))
         self.timeline.publish_s += time.monotonic() - start
+
+    def _members_busy(self) -> bool:
+        """Whether a member of the next broadcast (an active worker) has a rollout part or an
+        evaluation in flight."""
+        if self.rollouts is None:
+            return False
+        if any(s.busy for s in self.pool.active):
+            return True
+        return any(not s.retiring and s in self.pool.slots for _, _, s in self.evaluations.running)
 
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights

@@ -6,8 +6,9 @@
 - `nccl` / `gloo`: learner rank 0 and every active worker's engine form a process group of
   their own (rendezvous on rank 0's node address); each update is one remote call per member
   and one collective per bucket, from the learner's device straight into the engines'
-  weights. Every member takes part at once, so a broadcast waits for the workers' current
-  batches; the group is formed again whenever the set of workers changed.
+  weights. Every member takes part at once, so the driver starts a broadcast once the
+  members' calls in flight have ended (Driver._publish); the group is formed again whenever
+  the set of workers changed.
 - `ipc`: learner rank 0 copies its weights once into memory the engines open in place (CUDA
   IPC handles to buffers on its GPU, or files in /dev/shm for CPU roles; staleflow.learner.ipc)
   and keeps each version until the driver discards it; like `ray`, each worker loads it at

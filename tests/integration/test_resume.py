@@ -473,10 +473,13 @@ def _hang_once(tmp_path, monkeypatch) -> list[str]:
     return _once(tmp_path, monkeypatch, "hangrewards", "time.sleep(600)")
 
 
-def _crash_once(tmp_path, monkeypatch) -> list[str]:
+def _crash_once(tmp_path, monkeypatch, after_s: float = 0.0) -> list[str]:
     """The first reward call of the run kills its own worker process (SIGKILL, as the OOM
-    killer would)."""
-    return _once(tmp_path, monkeypatch, "crashrewards", "os.kill(os.getpid(), signal.SIGKILL)")
+    killer would), `after_s` seconds into the call."""
+    return _once(
+        tmp_path, monkeypatch, "crashrewards",
+        f"time.sleep({after_s}); os.kill(os.getpid(), signal.SIGKILL)",
+    )  # fmt: skip
 
 
 def _train(tmp_path, *args: str) -> tuple[int, str]:
@@ -516,10 +519,16 @@ def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_ru
     # mid-batch stopped the run ("the batch cannot be redone in this run; resume it"). Its
     # part is now redone on a live worker of the broadcast group, which holds the part's
     # version, and a new worker joins the group at the next publish.
+    # Async: the crash comes 8 s into the batch, so the other worker's batch has been
+    # trained and the broadcast of v1 is due while the crashing batch still runs. The
+    # broadcast waited for it inside the collective, where the death also failed learner
+    # rank 0's call (gloo: "Connection reset by peer") and the run stopped; it now waits
+    # for the members' calls first, and the loss is one mid-batch like any other.
     schedule = ["sync.interval=2", "sync.offset=0"] if mode == "lockstep" else [
         "sync.offset=0", "buffer.max_staleness=1"]  # fmt: skip
+    crash = _crash_once(tmp_path, monkeypatch, after_s=0 if mode == "lockstep" else 8)
     code, out = _train(
-        tmp_path, *_crash_once(tmp_path, monkeypatch), "run.name=b", "run.steps=6",
+        tmp_path, *crash, "run.name=b", "run.steps=6",
         "sync.method=gloo", f"sync.mode={mode}", *schedule,
     )  # fmt: skip
     assert code == 0, out[-3000:]
@@ -531,6 +540,8 @@ def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_ru
     records = list(read_metrics(run / "metrics.jsonl"))
     [fault] = [r for r in records if r["kind"] == "fault"]
     assert fault["error"].startswith("failed: ActorDiedError"), fault
+    if mode == "async":  # the case meant: lost while the broadcast of v1 waited for it
+        assert fault["step"] == 1, fault
     assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
     redone = [r for r in records if r["kind"] == "rollout" and r["batch"] == fault["batch"]]
     assert {r["worker"] for r in redone} <= {0, 1}  # on the survivor, at the part's version
