@@ -22,9 +22,11 @@ STATUS_TTL_S = 600
 # KEYS: stream, stats, pushed-by-version, this push's status key, then one dedup key per group
 # (in XADD order).  ARGV: capacity, dedup ttl, token, status ttl, then (policy version,
 # payload bytes) per group.
-# A push that ran records its statuses under its own key: a retry (the reply was lost) deletes
-# its new copies and returns them, counting nothing twice. A dedup key holds the token of the
-# push that added its group (if the status key has expired, a retry still knows its own).
+# A dedup key holds the token of the push that added its group, so a retry (the reply was
+# lost) knows its own groups: it deletes its new copies and counts nothing twice. A push that
+# found duplicates also records its statuses under its own key, read only when a group is not
+# new: a retry returns them and counts those duplicates once. A push whose groups were all new
+# (the common case) neither reads nor writes that key: two calls fewer in the script.
 # Capacity counts the stored entries less those trained and held until a checkpoint ('held').
 # Returns one status per group (0 added by this push, 1 a duplicate: pushed before, or earlier
 # in this same push), or {-2} if the new groups do not fit (nothing kept, nothing recorded).
@@ -38,33 +40,40 @@ local function delete_ours(which)
   local ours = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', n)
   for _, i in ipairs(which) do redis.call('XDEL', KEYS[1], ours[n - i + 1][1]) end
 end
-local all = {}
-for i = 1, n do all[i] = i end
-local done = redis.call('GET', KEYS[4])
-if done then
-  delete_ours(all)
-  local status = {}
-  for i = 1, n do status[i] = tonumber(string.sub(done, i, i)) end
-  return status
-end
-local status, new, drop, seen = {}, {}, {}, {}
+local status, new, drop, seen, known = {}, {}, {}, {}, false
 for i = 1, n do
   local key = KEYS[i + 4]
   local v = redis.call('GET', key)
   if seen[key] then
     status[i] = 1
     drop[#drop + 1] = i
+    known = true
   elseif not v then
     status[i] = 0
     new[#new + 1] = i
   else
     if v == ARGV[3] then status[i] = 0 else status[i] = 1 end
     drop[#drop + 1] = i
+    known = true
   end
   seen[key] = true
 end
+if known then
+  local done = redis.call('GET', KEYS[4])
+  if done then
+    local all = {}
+    for i = 1, n do
+      all[i] = i
+      status[i] = tonumber(string.sub(done, i, i))
+    end
+    delete_ours(all)
+    return status
+  end
+end
 local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
 if #new > 0 and before - held + #new > tonumber(ARGV[1]) then
+  local all = {}
+  for i = 1, n do all[i] = i end
   delete_ours(all)
   return {-2}
 end
@@ -80,8 +89,10 @@ if #new > 0 then
   redis.call('HINCRBY', KEYS[2], 'pushed', #new)
   redis.call('HINCRBY', KEYS[2], 'bytes_pushed', bytes)
 end
-if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
-redis.call('SET', KEYS[4], table.concat(status), 'EX', ARGV[4])
+if dups > 0 then
+  redis.call('HINCRBY', KEYS[2], 'duplicates', dups)
+  redis.call('SET', KEYS[4], table.concat(status), 'EX', ARGV[4])
+end
 return status
 """
 

@@ -443,6 +443,17 @@ def test_a_push_whose_reply_was_lost_is_sent_again_and_added_once(redis_url, mon
     lost.clear()  # a push of duplicates only, its reply lost too
     assert buffer.push_many([old]) == [False]
     assert buffer.stats().duplicates == 2
+    # A push of new groups only writes no status key (its dedup keys hold its token); its
+    # retry after a lost reply finds its own groups by their token, keeps one copy of each
+    # and counts them once.
+    statuses = set(buffer.client.keys(buffer.keys.prefix + "push:*"))
+    lost.clear()
+    assert buffer.push_many([group(prompt="c"), group(prompt="d")]) == [True, True]
+    assert lost == [[0, 0]]
+    assert set(buffer.client.keys(buffer.keys.prefix + "push:*")) == statuses
+    stats = buffer.stats()
+    assert (stats.length, stats.pushed, stats.duplicates) == (5, 5, 2)
+    assert take_all(buffer, 5)[1] == ["c", "d"]
 
 
 def test_a_push_whose_connection_always_drops_fails_instead_of_retrying_forever(

@@ -92,7 +92,9 @@ def test_push_and_ack_statuses_expire_after_the_same_time(redis_url):
     from staleflow.buffer.scripts import STATUS_TTL_S
 
     with ReplayBuffer(redis_url, "run", read_ahead=False) as buffer:
-        buffer.push_many(synthetic_groups(2, k=2, tokens=8))
+        groups = synthetic_groups(2, k=2, tokens=8)
+        buffer.push_many(groups)
+        assert buffer.push(groups[0]) is False  # a push with a duplicate keeps its statuses
         buffer.ack(buffer.take(2, learner_version=0).receipts)
         ttls = {}
         for kind in ("push", "ack"):
