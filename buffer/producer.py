@@ -75,7 +75,7 @@ class Producer:
         delay, lost = 0.005, 0
         while True:
             status = self._add(groups, entries, dedup_keys, token)
-            if status is None:  # the reply was lost: the push's status key tells if it ran
+            if status is None:  # the reply was lost: its dedup keys (and status key) tell if it ran
                 lost = after_lost_reply(
                     lost,
                     self.client,
