@@ -112,7 +112,20 @@ class WeightLoaderExtension:
         if group is None:
             raise RuntimeError("staleflow_receive before staleflow_join_group")
         layouts = [[(n, tuple(shape), d) for n, shape, d in layout] for layout in layouts]
-        return self._staleflow_apply(list(broadcast_receive(group, layouts)))
+        # Streamed into the loader bucket by bucket: a list of every bucket first held a
+        # second copy of the model on the engine's GPU during each update. vLLM's layer-wise
+        # reload keeps a layer's tensors only until the layer is complete.
+        received = broadcast_receive(group, layouts)
+        try:
+            return self._staleflow_apply(received)
+        except BaseException:
+            # A load that failed partway still receives the rest, so the sender and the
+            # other engines finish the collective and this error is the one reported (a
+            # failed broadcast ended the generator: nothing is left to receive then).
+            with contextlib.suppress(Exception):
+                for _ in received:
+                    pass
+            raise
 
     def staleflow_load_shared(self, buckets: list[Any]) -> int:
         """A whole version shared in place by learner rank 0 (sync.method ipc): CUDA IPC
@@ -129,9 +142,18 @@ class WeightLoaderExtension:
             if torch.cuda.is_initialized():
                 torch.cuda.synchronize()
 
-    def _staleflow_apply(self, weights: list[tuple[str, Any]]) -> int:
-        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
-        return len(weights)
+    def _staleflow_apply(self, weights: Iterable[tuple[str, Any]]) -> int:
+        """vLLM's in-place reload of `weights` (read once, in order); how many it read."""
+        count = 0
+
+        def counted() -> Iterable[tuple[str, Any]]:
+            nonlocal count
+            for item in weights:
+                count += 1
+                yield item
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        return count
 
 
 def _as_tensor(value: Any) -> Any:
