@@ -364,8 +364,7 @@ class Driver(CheckpointMixin):
         broadcast would otherwise wait for those calls inside the collective, where a
         member's death also fails learner rank 0's call, and the run stopped."""
         if self.sync.broadcasts:
-            while self.learning is None and self._members_busy():
-                self._wait()
+            self._wait_for_members()
         if self._deferred_workers is not None:  # broadcast: new workers join at a publish
             self._scale(self._deferred_workers)
             self._deferred_workers = None
@@ -374,14 +373,44 @@ class Driver(CheckpointMixin):
         self._published(self.sync.publish(self.step))
         self.timeline.publish_s += time.monotonic() - start
 
+    def _wait_for_members(self) -> None:
+        """Broadcast methods, before a publish: handle events until no member has a call in
+        flight. Batch shards are bounded by rollout.batch_timeout_s (Rollouts.check_hung);
+        so are evaluations here: one still running that long after the wait began has its
+        worker killed and replaced, as a hung batch's (the broadcast would wait for it, and
+        in the normal loop only a batch queued behind it on that worker would time out)."""
+        limit = self.cfg.rollout.batch_timeout_s
+        since = time.monotonic()
+        while self.learning is None and self._members_busy():
+            self._wait()
+            if time.monotonic() - since <= limit:
+                continue
+            for _, step, slot in self.evaluations.running:
+                if slot in self.pool.active:
+                    logger.warning(
+                        "rollout worker %d: the evaluation of step %d has run over %g s "
+                        "(rollout.batch_timeout_s) while a weight broadcast waits for it: "
+                        "killing it as hung", slot.index, step, limit,
+                    )  # fmt: skip
+                    self._lose_worker(slot)
+            since = time.monotonic()
+
+    def _lose_worker(self, slot: Any) -> None:
+        """Broadcast methods: a member's evaluation hung or its worker died: forget the worker
+        (killed) and replace it at the next publish. A shard of its own fails in turn and is
+        redone on a member (Rollouts), which keeps the replacement count."""
+        self.pool.drop(slot)
+        self._replace_lost_worker()
+
     def _members_busy(self) -> bool:
-        """Whether a member of the next broadcast (an active worker) has a rollout part or an
-        evaluation in flight."""
+        """Whether a batch shard is in flight (on any worker: a retiring one's, or a lost
+        one's not handled yet, is redone on a member if it fails, which must then still hold
+        its version), or an evaluation on a member of the next broadcast."""
         if self.rollouts is None:
             return False
-        if any(s.busy for s in self.pool.active):
+        if self.rollouts.shards:
             return True
-        return any(not s.retiring and s in self.pool.slots for _, _, s in self.evaluations.running)
+        return any(s in self.pool.active for _, _, s in self.evaluations.running)
 
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
@@ -406,6 +435,13 @@ class Driver(CheckpointMixin):
 
     def _on_eval_done(self, ref: Any) -> None:
         step, report = self.evaluations.finished(ref, self.published)
+        for slot in self.evaluations.take_lost():
+            # its next call would fail too: a broadcast would include the dead member and
+            # stop the run; other methods replace it when its next batch fails
+            if self.sync.broadcasts and slot in self.pool.active:
+                logger.warning("rollout worker %d died in an evaluation: replacing it at the "
+                               "next publish", slot.index)  # fmt: skip
+                self._lose_worker(slot)
         if report is None:
             return
         self.accuracy[step] = report.accuracy

@@ -21,12 +21,18 @@ class Evaluations:
     prompts: int
     running: list[tuple[Any, int, Any]] = field(default_factory=list)  # (ref, step, slot)
     _retried: set[int] = field(default_factory=set)
+    _lost: list[Any] = field(default_factory=list)  # slots whose worker died in an evaluation
 
     def start(self, step: int, weights: Any, avoid: Any = None) -> None:
         """Evaluate `weights` (the version of `step`) on the first live worker (other than
         `avoid`, the one a failed attempt ran on, if there is another)."""
         slot = next((s for s in self.pool.active if s is not avoid), self.pool.active[0])
         self.running.append((self.pool.evaluate(slot, weights, self.prompts), step, slot))
+
+    def take_lost(self) -> list[Any]:
+        """The slots whose worker died in an evaluation since the last call (once each)."""
+        lost, self._lost = self._lost, []
+        return lost
 
     @property
     def refs(self) -> list[Any]:
@@ -60,6 +66,8 @@ class Evaluations:
             # The weights it holds are unknown (a load may have failed partway): whatever
             # runs on it next loads its version first.
             self.pool.version_unknown(slot)
+            if isinstance(exc, ray.exceptions.ActorDiedError):
+                self._lost.append(slot)
             shown = remote_cause(exc)
             repeats = isinstance(shown, TaskError | RewardError | PromptTooLongError)
             weights = published.get(step)

@@ -152,10 +152,10 @@ class Rollouts:
     def _redo_on_a_member(self, shard: Shard, where: str, what: str, exc: BaseException) -> None:
         """Broadcast methods: a new engine gets weights only at a publish, so the part is
         redone on a live worker of the broadcast group, which holds the part's version (every
-        member holds the last one broadcast, and no publish runs between a batch's start and
-        this: it would have waited for the part). It is queued behind that worker's own part
-        if it has one; an actor runs its calls in order, so a publish asked for later waits
-        for it. The lost worker is replaced at the next publish (`on_lost`)."""
+        member holds the last one broadcast, and a publish waits for every shard in flight,
+        a retiring worker's too: Driver._wait_for_members). It is queued behind that
+        worker's own part if it has one. The lost worker is replaced at the next publish
+        (`on_lost`)."""
         lost = shard.slot
         self.pool.drop(lost)
         version = shard.weights.version

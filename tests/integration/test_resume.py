@@ -519,14 +519,14 @@ def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_ru
     # mid-batch stopped the run ("the batch cannot be redone in this run; resume it"). Its
     # part is now redone on a live worker of the broadcast group, which holds the part's
     # version, and a new worker joins the group at the next publish.
-    # Async: the crash comes 8 s into the batch, so the other worker's batch has been
+    # Async: the crash comes 12 s into the batch, so the other worker's batch has been
     # trained and the broadcast of v1 is due while the crashing batch still runs. The
     # broadcast waited for it inside the collective, where the death also failed learner
     # rank 0's call (gloo: "Connection reset by peer") and the run stopped; it now waits
     # for the members' calls first, and the loss is one mid-batch like any other.
     schedule = ["sync.interval=2", "sync.offset=0"] if mode == "lockstep" else [
         "sync.offset=0", "buffer.max_staleness=1"]  # fmt: skip
-    crash = _crash_once(tmp_path, monkeypatch, after_s=0 if mode == "lockstep" else 8)
+    crash = _crash_once(tmp_path, monkeypatch, after_s=0 if mode == "lockstep" else 12)
     code, out = _train(
         tmp_path, *crash, "run.name=b", "run.steps=6",
         "sync.method=gloo", f"sync.mode={mode}", *schedule,
@@ -558,6 +558,66 @@ def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_ru
         ]
     else:
         assert max(s["lag_max"] for s in steps) <= 1
+
+
+@pytest.mark.slow
+def test_an_evaluation_hung_while_a_broadcast_waits_for_it_is_killed_and_the_run_goes_on(
+    tmp_path, monkeypatch
+):
+    # sync.method gloo: a broadcast waits for its members' calls. The evaluation before
+    # training hangs (its first reward call of a held-out prompt sleeps 600 s), on a worker
+    # the broadcast of v1 needs. The broadcast used to wait for it inside the collective
+    # and rank 0 gave up after sync.broadcast_timeout_s (30 s here), stopping the run as the
+    # learner's failure. The driver now waits for its members' calls first, each bounded by
+    # rollout.batch_timeout_s: the hung worker is killed, the evaluation retried on the other
+    # one, and a new worker joins at the publish. (Here a batch queued behind the evaluation
+    # on that worker times out at the same moment; the evaluation's own bound, for a worker
+    # with nothing queued behind it, is tested in tests/unit/test_schedule.py.)
+    from staleflow.actors.tasks import _in_eval_split
+
+    marker = tmp_path / "hung-once"
+    (tmp_path / "evalhang.py").write_text(
+        textwrap.dedent(
+            f"""
+            import os, time
+            def fn(meta, text):
+                if meta.get("held"):
+                    try:  # only the first held-out call of all workers hangs
+                        os.close(os.open({str(marker)!r}, os.O_CREAT | os.O_EXCL))
+                        time.sleep(600)
+                    except FileExistsError:
+                        pass
+                return float(len(text))
+            """
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    texts = [f"Say something #{i}" for i in range(60)]
+    rows = [{"prompt": t, "held": _in_eval_split(t, 0.1)} for t in texts]
+    assert sum(r["held"] for r in rows) >= 2
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out = _train(
+        tmp_path, "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
+        "task.reward_fn=evalhang:fn", "task.eval_prompts=2", "run.name=e", "run.steps=4",
+        "sync.method=gloo", "sync.mode=async", "sync.offset=0", "buffer.max_staleness=1",
+        "rollout.batch_timeout_s=40", "sync.broadcast_timeout_s=30",
+    )  # fmt: skip
+    assert code == 0, out[-3000:]
+    run = tmp_path / "runs/e"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed", summary.get("error")
+    assert_reconciled(summary)
+    assert summary["groups"]["pushed"] == summary["groups"]["trained"] == 4 * 2
+    assert marker.exists()  # the hang happened
+    log = (run / "logs/driver.log").read_text()
+    assert "the evaluation of step 0 has run over 40 s" in log
+    records = list(read_metrics(run / "metrics.jsonl"))
+    assert [s["step"] for s in steps_of(records)] == [1, 2, 3, 4]
+    assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]
+    evals = sorted(r["step"] for r in records if r["kind"] == "eval")
+    assert evals == [0, 4]  # the hung one retried on the other worker
+    new = [r for r in records if r["kind"] == "rollout" and r["worker"] == 2]
+    assert new, "the replacement worker ran no batch"
 
 
 @pytest.mark.slow

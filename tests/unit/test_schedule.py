@@ -313,3 +313,121 @@ def test_an_async_checkpoint_keeps_no_older_weights_and_is_not_skipped(caplog):
         CheckpointMixin._write_checkpoint(driver)
     assert saved == [5]
     assert "no checkpoint at step 5" not in caplog.text
+
+
+class _Pool:
+    """The part of placement.WorkerPool the driver's publish wait uses."""
+
+    def __init__(self, slots):
+        self.slots = list(slots)
+        self.dropped = []
+
+    @property
+    def active(self):
+        return [s for s in self.slots if not s.retiring]
+
+    def drop(self, slot):
+        self.dropped.append(slot.index)
+        self.slots.remove(slot)
+
+    def version_unknown(self, slot):
+        slot.version = -1
+
+
+def _waiting_driver(monkeypatch, shards, running, slots):
+    """A Driver with only what `_wait_for_members` uses; `_wait` advances a fake clock by a
+    second and ends an evaluation whose worker was dropped (killed: its call fails)."""
+    from types import SimpleNamespace
+
+    import staleflow.cluster.driver as driver_module
+    from staleflow.cluster.driver import Driver
+    from staleflow.cluster.evaluations import Evaluations
+
+    cfg = parse_config(
+        "model: {preset: tiny}\ntask: {name: digits, chat_template: false}\n"
+        "sync: {mode: async, method: gloo}\nrollout: {batch_timeout_s: 5}\n"
+    )
+    clock = [0.0]
+    monkeypatch.setattr(driver_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    driver = Driver.__new__(Driver)
+    driver.cfg, driver.learning, driver._deferred_workers = cfg, None, None
+    driver.schedule = SimpleNamespace(lockstep=False)
+    pool = _Pool(slots)
+    driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=True))
+    driver.rollouts = SimpleNamespace(shards=shards)
+    driver.evaluations = Evaluations(pool, 2, running=running)
+    waits = []
+
+    def wait():
+        assert len(waits) < 50, "the publish's wait never ends"
+        waits.append(clock[0])
+        clock[0] += 1.0
+        done = [e for e in driver.evaluations.running if e[2] not in pool.slots]
+        for entry in done:
+            driver.evaluations.running.remove(entry)
+        for ref in [r for r, left in shards.items() if left <= clock[0]]:
+            del shards[ref]
+
+    driver._wait = wait
+    return driver, pool, waits
+
+
+def test_a_broadcast_waits_for_the_batches_in_flight_then_publishes(monkeypatch):
+    # A shard in flight (a retiring worker's too: redone on a member if it fails) is waited
+    # for until it ends: the broadcast waited for it inside the collective, where a worker
+    # dying in its batch failed learner rank 0's call too
+    from staleflow.cluster.placement import WorkerSlot
+
+    a, b = WorkerSlot(0, "a"), WorkerSlot(1, "b", retiring=True)
+    driver, pool, waits = _waiting_driver(monkeypatch, {"s1": 3.0}, [], [a, b])
+    driver._wait_for_members()
+    assert waits == [0.0, 1.0, 2.0]  # until the shard ended at t = 3
+    assert pool.dropped == []
+    assert driver._deferred_workers is None
+
+
+def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_replaces_its_worker(monkeypatch):
+    # An evaluation on a member with nothing queued behind it was waited for forever (only
+    # batches are bounded by rollout.batch_timeout_s): past that limit (5 s) its worker is
+    # killed and replaced at this publish. One on a retiring worker is not a member's.
+    from staleflow.cluster.placement import WorkerSlot
+
+    a, b, c = WorkerSlot(0, "a"), WorkerSlot(1, "b"), WorkerSlot(2, "c", retiring=True)
+    running = [("e0", 0, a), ("e9", 9, c)]
+    driver, pool, waits = _waiting_driver(monkeypatch, {}, running, [a, b, c])
+    driver._wait_for_members()
+    assert waits == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # killed after the wait at t = 5 (> 5 s)
+    assert pool.dropped == [0]
+    assert driver._deferred_workers == 2  # b and a replacement join at this publish
+    # the killed evaluation's failure is an event handled after the publish (a retry, or
+    # skipped); the retiring worker's evaluation was never waited for
+    assert [step for _, step, _ in driver.evaluations.running] == [0, 9]
+
+
+def test_a_worker_that_died_in_an_evaluation_is_replaced_at_the_next_broadcast(monkeypatch):
+    # Its slot stayed in the pool: the next broadcast included the dead member and the run
+    # stopped. Now the driver forgets it and a new worker joins at the next publish. An
+    # evaluation that only failed (its worker alive) keeps its worker.
+    import ray
+    import ray.exceptions
+
+    from staleflow.cluster.placement import WorkerSlot
+
+    a, b = WorkerSlot(0, "a"), WorkerSlot(1, "b")
+    driver, pool, _ = _waiting_driver(monkeypatch, {}, [("dead", 0, a), ("raised", 2, b)], [a, b])
+    errors = {"dead": ray.exceptions.ActorDiedError(), "raised": ValueError("a bad reward")}
+
+    def get(ref):
+        raise errors[ref]
+
+    monkeypatch.setattr(ray, "get", get)
+    retried = []
+    driver.evaluations.start = lambda step, weights, avoid=None: retried.append(step)
+    driver.published = {}  # (nothing to retry with: each is skipped)
+    driver._on_eval_done("raised")
+    assert pool.dropped == []
+    assert driver._deferred_workers is None
+    driver._on_eval_done("dead")
+    assert pool.dropped == [0]
+    assert driver._deferred_workers == 2  # b and a replacement
+    assert driver.evaluations.take_lost() == []  # each lost worker reported once
