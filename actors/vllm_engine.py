@@ -62,10 +62,11 @@ class WeightLoaderExtension:
     carries every bucket's handle (`staleflow_load_shared`): CUDA IPC views of the learner's
     buffers on the same GPU, or its files in /dev/shm.
 
-    Buckets of one update are collected and applied together by vLLM's in-place
-    `reload_weights` when the last arrives: backends repack weights after loading (the CPU one
-    drops the parameters' loaders), and reload redoes that processing, which a partial update
-    could not."""
+    Buckets of one update are applied together by one call of vLLM's in-place
+    `reload_weights`: backends repack weights after loading (the CPU one drops the
+    parameters' loaders), and reload redoes that processing, which a partial update could
+    not. Buckets sent one RPC each are collected until the last arrives; a broadcast's are
+    streamed into that one call as they arrive (no second copy of the model)."""
 
     model_runner: Any
     _staleflow_pending: list[tuple[str, Any]]
@@ -117,7 +118,7 @@ class WeightLoaderExtension:
         # reload keeps a layer's tensors only until the layer is complete.
         received = broadcast_receive(group, layouts)
         try:
-            return self._staleflow_apply(received)
+            loaded = self._staleflow_apply(received)
         except BaseException:
             # A load that failed partway still receives the rest, so the sender and the
             # other engines finish the collective and this error is the one reported (a
@@ -126,6 +127,9 @@ class WeightLoaderExtension:
                 for _ in received:
                     pass
             raise
+        for _ in received:  # a loader that stopped early: the collective still completes
+            pass
+        return loaded
 
     def staleflow_load_shared(self, buckets: list[Any]) -> int:
         """A whole version shared in place by learner rank 0 (sync.method ipc): CUDA IPC

@@ -26,7 +26,8 @@ STATUS_TTL_S = 600
 # lost) knows its own groups: it deletes its new copies and counts nothing twice. A push that
 # found duplicates also records its statuses under its own key, read only when a group is not
 # new: a retry returns them and counts those duplicates once. A push whose groups were all new
-# (the common case) neither reads nor writes that key: two calls fewer in the script.
+# (the common case) neither reads nor writes that key: two calls fewer in the script. Unless
+# the dedup keys expire first (buffer.dedup_ttl_s below the status TTL): it is written then.
 # Capacity counts the stored entries less those trained and held until a checkpoint ('held').
 # Returns one status per group (0 added by this push, 1 a duplicate: pushed before, or earlier
 # in this same push), or {-2} if the new groups do not fit (nothing kept, nothing recorded).
@@ -89,8 +90,8 @@ if #new > 0 then
   redis.call('HINCRBY', KEYS[2], 'pushed', #new)
   redis.call('HINCRBY', KEYS[2], 'bytes_pushed', bytes)
 end
-if dups > 0 then
-  redis.call('HINCRBY', KEYS[2], 'duplicates', dups)
+if dups > 0 then redis.call('HINCRBY', KEYS[2], 'duplicates', dups) end
+if dups > 0 or tonumber(ARGV[2]) < tonumber(ARGV[4]) then
   redis.call('SET', KEYS[4], table.concat(status), 'EX', ARGV[4])
 end
 return status

@@ -456,6 +456,17 @@ def test_a_push_whose_reply_was_lost_is_sent_again_and_added_once(redis_url, mon
     assert take_all(buffer, 5)[1] == ["c", "d"]
 
 
+def test_a_push_whose_dedup_keys_expire_before_its_statuses_keeps_them(redis_url):
+    # A retry of an all-new push finds its groups by their dedup keys: with buffer
+    # dedup_ttl_s below the status TTL they could be gone by then, so the statuses are kept
+    short = ReplayBuffer(redis_url, "short", dedup_ttl_s=1)
+    assert short.push(group(prompt="a")) is True
+    assert len(short.client.keys(short.keys.prefix + "push:*")) == 1
+    usual = ReplayBuffer(redis_url, "usual")
+    assert usual.push(group(prompt="a")) is True
+    assert usual.client.keys(usual.keys.prefix + "push:*") == []
+
+
 def test_a_push_whose_connection_always_drops_fails_instead_of_retrying_forever(
     redis_url, monkeypatch
 ):
