@@ -41,6 +41,11 @@ local function delete_ours(which)
   local ours = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', n)
   for _, i in ipairs(which) do redis.call('XDEL', KEYS[1], ours[n - i + 1][1]) end
 end
+local function delete_all()
+  local all = {}
+  for i = 1, n do all[i] = i end
+  delete_ours(all)
+end
 local status, new, drop, seen, known = {}, {}, {}, {}, false
 for i = 1, n do
   local key = KEYS[i + 4]
@@ -62,20 +67,14 @@ end
 if known then
   local done = redis.call('GET', KEYS[4])
   if done then
-    local all = {}
-    for i = 1, n do
-      all[i] = i
-      status[i] = tonumber(string.sub(done, i, i))
-    end
-    delete_ours(all)
+    for i = 1, n do status[i] = tonumber(string.sub(done, i, i)) end
+    delete_all()
     return status
   end
 end
 local held = tonumber(redis.call('HGET', KEYS[2], 'held') or '0')
 if #new > 0 and before - held + #new > tonumber(ARGV[1]) then
-  local all = {}
-  for i = 1, n do all[i] = i end
-  delete_ours(all)
+  delete_all()
   return {-2}
 end
 delete_ours(drop)
