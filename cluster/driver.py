@@ -154,9 +154,7 @@ class Driver(CheckpointMixin):
                     version,
                 )  # fmt: skip
                 self._dispatch(idle[:1], version)
-            # no worker was free to ask, each in an evaluation (no batch: none is running)
-            evaluating = not self.pool.idle() and any(s.busy for s in self.pool.active)
-            if not self.flow.running and not evaluating and self.flow.untrained() < self.schedule.G:
+            if not self.flow.running and self.flow.untrained() < self.schedule.G:
                 raise BatchStalled(
                     f"async schedule stalled at step {self.step}: no batch may start "
                     f"(buffer.max_staleness={self.cfg.buffer.max_staleness}) and the buffer "
@@ -407,16 +405,12 @@ class Driver(CheckpointMixin):
     def _members_busy(self) -> bool:
         """Whether a batch shard is in flight (on any worker: a retiring one's, or a lost
         one's not handled yet, is redone on a member if it fails, which must then still hold
-        its version), or an evaluation on a member of the next broadcast, or on a worker
-        lost or killed whose failure is not handled yet: it is retried on a member, which
-        holds its version only until this broadcast (after it, the retry could not load it
-        and the step's accuracy would be skipped)."""
+        its version), or an evaluation on a member of the next broadcast."""
         if self.rollouts is None:
             return False
         if self.rollouts.shards:
             return True
-        slots = self.pool.slots
-        return any(s in self.pool.active or s not in slots for _, _, s in self.evaluations.running)
+        return any(s in self.pool.active for _, _, s in self.evaluations.running)
 
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
@@ -740,9 +734,7 @@ class Driver(CheckpointMixin):
             self._on_fault,
             self._replace_lost_worker,
         )
-        self.evaluations = Evaluations(
-            self.pool, self.cfg.task.eval_prompts, on_ended=self.rollouts.advance
-        )
+        self.evaluations = Evaluations(self.pool, self.cfg.task.eval_prompts)
         if self.resumed is not None:
             self._restore(self.resumed)
         self._publish()

@@ -5,7 +5,6 @@ would only repeat (the task's data, its reward function, a prompt too long)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,23 +15,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Evaluations:
-    """Evaluations of `prompts` held-out prompts running on `pool` (cluster.placement).
-    `on_ended(slot)` is told when one ends on a worker (a rollout part queued behind it
-    starts: Rollouts.advance)."""
+    """Evaluations of `prompts` held-out prompts running on `pool` (cluster.placement)."""
 
     pool: Any
     prompts: int
-    on_ended: Callable[[Any], None] = lambda slot: None
     running: list[tuple[Any, int, Any]] = field(default_factory=list)  # (ref, step, slot)
     _retried: set[int] = field(default_factory=set)
     _lost: list[Any] = field(default_factory=list)  # slots whose worker died in an evaluation
 
     def start(self, step: int, weights: Any, avoid: Any = None) -> None:
-        """Evaluate `weights` (the version of `step`) on a live worker with the fewest calls
-        in flight, the first such (other than `avoid`, the one a failed attempt ran on, if
-        there is another): an idle one if any, so no rollout part waits behind it."""
-        others = [s for s in self.pool.active if s is not avoid] or self.pool.active
-        slot = min(others, key=lambda s: len(s.queue))
+        """Evaluate `weights` (the version of `step`) on the first live worker (other than
+        `avoid`, the one a failed attempt ran on, if there is another)."""
+        slot = next((s for s in self.pool.active if s is not avoid), self.pool.active[0])
         self.running.append((self.pool.evaluate(slot, weights, self.prompts), step, slot))
 
     def take_lost(self) -> list[Any]:
@@ -57,8 +51,6 @@ class Evaluations:
 
         step, slot = next((s, w) for r, s, w in self.running if r == ref)
         self.running = [entry for entry in self.running if entry[0] != ref]
-        self.pool.ended(slot, ref)  # (a retiring worker with nothing left is removed)
-        self.on_ended(slot)
         from staleflow.actors.tasks import TaskError
         from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.cluster.failures import remote_cause

@@ -87,18 +87,9 @@ class Rollouts:
     def _run(self, shard: Shard) -> None:
         ref = self.pool.run_batch(shard.slot, shard.weights, shard.prompts,
                                   (shard.batch, shard.first))  # fmt: skip
-        # queued behind another call on the same worker (a part, an evaluation): its clock
-        # starts when the calls before it have ended (`advance`)
-        shard.started = time.monotonic() if shard.slot.queue[0] is ref else math.inf
+        # queued behind a part on the same worker: its clock starts when that one ends
+        shard.started = time.monotonic() if shard.slot.calls == 1 else math.inf
         self.shards[ref] = shard
-
-    def advance(self, slot: Any) -> None:
-        """A call on `slot` ended: the part now first in its queue, if one waited, is
-        running from now, and rollout.batch_timeout_s counts from here. (An evaluation
-        that never ends is caught by the part queued behind it.)"""
-        shard = self.shards.get(slot.queue[0]) if slot.queue else None
-        if shard is not None and shard.started == math.inf:
-            shard.started = time.monotonic()
 
     def finished(self, ref: Any) -> tuple[Shard, Any, bool] | None:
         """A part's call returned: (its shard, the worker's report, whether that completed
@@ -107,17 +98,22 @@ class Rollouts:
         import ray
 
         shard = self.shards.pop(ref)
+        now = time.monotonic()
+        for queued in self.shards.values():  # a part queued behind this one starts now
+            if queued.slot is shard.slot and queued.started == math.inf:
+                queued.started = now
         try:
             report = ray.get(ref)
         except Exception as exc:
             self._failed(shard, exc)
             return None
-        self.pool.ended(shard.slot, ref)  # a retiring worker with nothing left is removed
-        self.advance(shard.slot)
+        self.pool.finished(shard.slot)
         self._open[shard.batch] -= 1
         complete = self._open[shard.batch] == 0
         if complete:
             del self._open[shard.batch]
+        if shard.slot.retiring and not shard.slot.busy:
+            self.pool.remove(shard.slot)
         return shard, report, complete
 
     def _failed(self, shard: Shard, exc: BaseException) -> None:
@@ -170,7 +166,7 @@ class Rollouts:
                 f"weights only at a publish, and no other worker holds v{version}, so the "
                 f"batch cannot be redone in this run; resume it: {self.resume_hint}"
             ) from exc
-        slot = min(members, key=lambda s: (len(s.queue), s.idle_since))
+        slot = min(members, key=lambda s: (s.calls, s.idle_since))
         logger.warning(
             "%s %s; redoing its %d prompt(s) on rollout worker %d, which holds v%d (with "
             "sync.method %s a new engine gets weights only at a publish: one joins at the next)",

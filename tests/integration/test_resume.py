@@ -575,9 +575,10 @@ def test_an_evaluation_hung_while_a_broadcast_waits_for_it_is_killed_and_the_run
     # and rank 0 gave up after sync.broadcast_timeout_s (30 s here), stopping the run as the
     # learner's failure. The driver now waits for its members' calls first, each bounded by
     # rollout.batch_timeout_s: the hung worker is killed, the evaluation retried on the other
-    # one, and a new worker joins at the publish. (No batch waits behind the evaluation: an
-    # async batch goes to a worker with nothing in flight, so the evaluation's own bound is
-    # the one that fires.)
+    # one, and a new worker joins at the publish. (Here a batch queued behind the evaluation
+    # on that worker times out at the same moment, and either may kill it first; the
+    # evaluation's own bound, for a worker with nothing queued behind it, is tested in
+    # tests/unit/test_schedule.py.)
     from staleflow.actors.tasks import _in_eval_split
 
     marker = tmp_path / "hung-once"
@@ -610,8 +611,9 @@ def test_an_evaluation_hung_while_a_broadcast_waits_for_it_is_killed_and_the_run
     run, _, records = _completed(tmp_path / "runs/e", code, out, groups=4 * 2)
     assert marker.exists()  # the hang happened
     log = (run / "logs/driver.log").read_text()
-    assert "while a weight broadcast waits for it: killing it as hung" in log
-    assert "(rollout.batch_timeout_s=40): killing it as hung" not in log  # (no batch's bound)
+    # the batch queued behind the evaluation on that worker is past rollout.batch_timeout_s
+    # at the same moment as the evaluation: either bound kills the worker first
+    assert "killing it as hung" in log
     assert [s["step"] for s in steps_of(records)] == [1, 2, 3, 4]
     assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]
     evals = sorted(r["step"] for r in records if r["kind"] == "eval")

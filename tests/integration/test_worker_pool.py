@@ -22,7 +22,7 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
             pool.add()
         wait_started({"rollout workers": [s.handle for s in pool.slots]}, 300)
         first, second = pool.slots
-        second.queue = ["a batch"]  # a call in flight (what run_batch queues; none is started)
+        second.calls = 1  # a batch in flight (what run_batch counts; none is started here)
 
         pool.scale(1)  # the busy worker retires when its batch ends, the idle one stays
         assert pool.slots == [first, second]
@@ -39,10 +39,8 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
         assert [s.index for s in pool.active] == [0, 1, 2]
         assert pool._next_index == 3
 
-        second.queue = ["an evaluation"]
-        pool.scale(1)  # idle workers go at once, a busy one when its last call ends
-        assert [s.index for s in pool.slots] == [0, 1]
-        pool.ended(second, "an evaluation")
+        second.calls = 0
+        pool.scale(1)  # idle workers go at once
         assert [s.index for s in pool.slots] == [0]
     finally:
         for slot in list(pool.slots):
@@ -89,7 +87,7 @@ def test_a_part_lost_under_a_broadcast_method_is_queued_on_a_member_holding_its_
         [(redo_ref, redo)] = [(r, s) for r, s in rollouts.shards.items() if s.attempts == 2]
         assert redo.slot is second
         assert redo.prompts == prompts[:2]
-        assert len(second.queue) == 2
+        assert second.calls == 2
         assert redo.started == math.inf
 
         shard, _report, complete = rollouts.finished(refs[1])  # the member's own part
@@ -102,7 +100,7 @@ def test_a_part_lost_under_a_broadcast_method_is_queued_on_a_member_holding_its_
         assert report.policy_version == 0
         assert report.groups == 2
         assert pool.idle() == [second]
-        assert second.queue == []
+        assert second.calls == 0
 
         # the last member lost: nothing holds v0, so the run must stop with the resume command
         rollouts.start([second], 2, weights, prompts[:2])
