@@ -154,7 +154,9 @@ class Driver(CheckpointMixin):
                     version,
                 )  # fmt: skip
                 self._dispatch(idle[:1], version)
-            if not self.flow.running and self.flow.untrained() < self.schedule.G:
+            # no worker was free to ask, each in an evaluation (no batch: none is running)
+            evaluating = not self.pool.idle() and any(s.busy for s in self.pool.active)
+            if not self.flow.running and not evaluating and self.flow.untrained() < self.schedule.G:
                 raise BatchStalled(
                     f"async schedule stalled at step {self.step}: no batch may start "
                     f"(buffer.max_staleness={self.cfg.buffer.max_staleness}) and the buffer "
@@ -375,25 +377,11 @@ class Driver(CheckpointMixin):
 
     def _wait_for_members(self) -> None:
         """Broadcast methods, before a publish: handle events until no member has a call in
-        flight. Batch shards are bounded by rollout.batch_timeout_s (Rollouts.check_hung);
-        so are evaluations here: one still running that long after the wait began has its
-        worker killed and replaced, as a hung batch's (the broadcast would wait for it, and
-        in the normal loop only a batch queued behind it on that worker would time out)."""
-        limit = self.cfg.rollout.batch_timeout_s
-        since = time.monotonic()
+        flight. Each call is bounded by rollout.batch_timeout_s from when it began running,
+        batch parts and evaluations alike (`_wait`): a hung one has its worker killed and
+        replaced, and nothing else would end it (the broadcast would wait for it)."""
         while self.learning is None and self._members_busy():
             self._wait()
-            if time.monotonic() - since <= limit:
-                continue
-            for _, step, slot in self.evaluations.running:
-                if slot in self.pool.active:
-                    logger.warning(
-                        "rollout worker %d: the evaluation of step %d has run over %g s "
-                        "(rollout.batch_timeout_s) while a weight broadcast waits for it: "
-                        "killing it as hung", slot.index, step, limit,
-                    )  # fmt: skip
-                    self._lose_worker(slot)
-            since = time.monotonic()
 
     def _lose_worker(self, slot: Any) -> None:
         """Broadcast methods: a member's evaluation hung or its worker died: forget the worker
@@ -405,12 +393,16 @@ class Driver(CheckpointMixin):
     def _members_busy(self) -> bool:
         """Whether a batch shard is in flight (on any worker: a retiring one's, or a lost
         one's not handled yet, is redone on a member if it fails, which must then still hold
-        its version), or an evaluation on a member of the next broadcast."""
+        its version), or an evaluation on a member of the next broadcast, or on a worker
+        lost or killed whose failure is not handled yet: it is retried on a member, which
+        holds its version only until this broadcast (after it, the retry could not load it
+        and the step's accuracy would be skipped)."""
         if self.rollouts is None:
             return False
         if self.rollouts.shards:
             return True
-        return any(s in self.pool.active for _, _, s in self.evaluations.running)
+        slots = self.pool.slots
+        return any(s in self.pool.active or s not in slots for _, _, s in self.evaluations.running)
 
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
@@ -569,8 +561,19 @@ class Driver(CheckpointMixin):
                 self._on_eval_done(ref)
         self._check_learner_hung()
         self.rollouts.check_hung()
+        self._check_evaluations_hung()
         self.rollouts.check_started()
         self._check_redis()
+
+    def _check_evaluations_hung(self) -> None:
+        """An evaluation that has run past rollout.batch_timeout_s has its worker killed
+        (Evaluations.check_hung). Broadcast methods forget the worker at once and replace it
+        at the next publish (the evaluation's retry then goes to a member); other methods
+        replace it when its next batch part fails, as any worker that died in an evaluation."""
+        limit = self.cfg.rollout.batch_timeout_s
+        for slot in self.evaluations.check_hung(limit, time.monotonic()):
+            if self.sync.broadcasts and slot in self.pool.active:
+                self._lose_worker(slot)
 
     def _check_learner_hung(self) -> None:
         """A learner call out longer than learner.step_timeout_s (on top of the wait for its

@@ -20,14 +20,40 @@ class Evaluations:
     pool: Any
     prompts: int
     running: list[tuple[Any, int, Any]] = field(default_factory=list)  # (ref, step, slot)
+    _hung: set[Any] = field(default_factory=set)  # refs whose worker was killed as hung
     _retried: set[int] = field(default_factory=set)
     _lost: list[Any] = field(default_factory=list)  # slots whose worker died in an evaluation
 
     def start(self, step: int, weights: Any, avoid: Any = None) -> None:
-        """Evaluate `weights` (the version of `step`) on the first live worker (other than
-        `avoid`, the one a failed attempt ran on, if there is another)."""
-        slot = next((s for s in self.pool.active if s is not avoid), self.pool.active[0])
+        """Evaluate `weights` (the version of `step`) on a live worker with the fewest calls
+        in flight, the first such (other than `avoid`, the one a failed attempt ran on, if
+        there is another): an idle one if any, so no rollout part waits behind it."""
+        others = [s for s in self.pool.active if s is not avoid] or self.pool.active
+        slot = min(others, key=lambda s: len(s.queue))
         self.running.append((self.pool.evaluate(slot, weights, self.prompts), step, slot))
+
+    def check_hung(self, limit: float, now: float) -> list[Any]:
+        """Kill the worker of an evaluation that has run longer than `limit` s (from when
+        the calls before it on its worker ended), as a hung batch's (Rollouts.check_hung):
+        its call then fails and it is retried once, on another worker if there is one.
+        Returns the slots killed. (One on a worker already dropped fails on its own.)"""
+        import ray
+
+        killed = []
+        for ref, step, slot in self.running:
+            ran = slot.running_for(ref, now)
+            if ref in self._hung or slot not in self.pool.slots or ran <= limit:
+                continue
+            if ray.wait([ref], timeout=0)[0]:  # done, not handled yet: not hung
+                continue
+            logger.warning(
+                "rollout worker %d: the evaluation of step %d has run %.0f s "
+                "(rollout.batch_timeout_s=%g): killing it as hung", slot.index, step, ran, limit,
+            )  # fmt: skip
+            self._hung.add(ref)
+            ray.kill(slot.handle)
+            killed.append(slot)
+        return killed
 
     def take_lost(self) -> list[Any]:
         """The slots whose worker died in an evaluation since the last call (once each)."""
@@ -51,6 +77,8 @@ class Evaluations:
 
         step, slot = next((s, w) for r, s, w in self.running if r == ref)
         self.running = [entry for entry in self.running if entry[0] != ref]
+        self._hung.discard(ref)
+        self.pool.ended(slot, ref)  # (a retiring worker with nothing left is removed)
         from staleflow.actors.tasks import TaskError
         from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.cluster.failures import remote_cause

@@ -274,7 +274,10 @@ class WorkerSlot:
     index: int
     handle: Any
     version: int = 0  # the version the actor will have loaded once its queued calls ran
-    calls: int = 0  # batches in flight on the actor (a part redone on it waits behind its own)
+    # Its calls in flight, rollout parts and evaluations, in the order the actor runs them
+    # (max_concurrency=1): the first is running, the others wait behind it.
+    queue: list[Any] = field(default_factory=list)
+    head_since: float = field(default_factory=time.monotonic)  # when the first began running
     retiring: bool = False
     idle_since: float = field(default_factory=time.monotonic)
     ready: Any = None  # its constructor's ref until it is seen done (`Rollouts.check_started`)
@@ -282,7 +285,20 @@ class WorkerSlot:
 
     @property
     def busy(self) -> bool:
-        return self.calls > 0
+        """A call in flight: a rollout part or an evaluation."""
+        return bool(self.queue)
+
+    def call(self, ref: Any) -> Any:
+        """`ref`, a call just made on the actor, runs after those already in flight."""
+        if not self.queue:
+            self.head_since = time.monotonic()
+        self.queue.append(ref)
+        return ref
+
+    def running_for(self, ref: Any, now: float) -> float:
+        """Seconds the call `ref` has been running at `now` (0 while it waits behind another
+        call): what rollout.batch_timeout_s bounds, for a part or an evaluation."""
+        return now - self.head_since if self.queue and self.queue[0] == ref else 0.0
 
 
 @dataclass
@@ -314,14 +330,23 @@ class WorkerPool:
         return [s for s in self.slots if not s.retiring]
 
     def idle(self) -> list[WorkerSlot]:
-        """Active workers without a batch in flight, longest idle first (so a newly added
-        worker is not starved by a fast one that is always idle first)."""
+        """Active workers with no call in flight (a batch given to one running an evaluation
+        would wait behind it), longest idle first (so a newly added worker is not starved by
+        a fast one that is always idle first)."""
         return sorted((s for s in self.active if not s.busy), key=lambda s: s.idle_since)
 
-    def finished(self, slot: WorkerSlot) -> None:
-        slot.calls = max(0, slot.calls - 1)
-        if not slot.busy:
-            slot.idle_since = time.monotonic()
+    def ended(self, slot: WorkerSlot, ref: Any) -> None:
+        """The call `ref` on `slot` returned (or failed). A worker left with nothing in
+        flight is idle from now, and one retiring is removed."""
+        if ref in slot.queue:
+            if slot.queue[0] == ref:  # the call behind it, if any, starts now
+                slot.head_since = time.monotonic()
+            slot.queue.remove(ref)
+        if slot.busy:
+            return
+        slot.idle_since = time.monotonic()
+        if slot.retiring and slot in self.slots:
+            self.remove(slot)
 
     def add(self) -> WorkerSlot:
         """Start a worker; its first batch loads the weights it must use (`run_batch`)."""
@@ -360,19 +385,17 @@ class WorkerPool:
         """Start a batch at `weights.version` (loaded first at this batch boundary if needed);
         `ids` = (batch number, first prompt's index in it) fixes the groups' ids."""
         load = self._weights_for(slot, weights)
-        ref = slot.handle.run_batch.remote(weights.version, list(prompts), load, ids)
-        slot.calls += 1
-        return ref
+        return slot.call(slot.handle.run_batch.remote(weights.version, list(prompts), load, ids))
 
     def evaluate(self, slot: WorkerSlot, weights: Any, n_prompts: int) -> Any:
         load = self._weights_for(slot, weights)
-        return slot.handle.evaluate.remote(n_prompts, None, load)
+        return slot.call(slot.handle.evaluate.remote(n_prompts, None, load))
 
     def scale(self, n: int) -> None:
         """Make `n` workers active. Going up, workers still finishing their last batch before
         retiring stay instead (no engine to start; under ipc they still hold their room in
         learner rank 0's bundle), then new ones start. Going down, the newest retire: an idle
-        one at once, a busy one when its batch ends (Rollouts removes it)."""
+        one at once, a busy one when its last call in flight ends (`ended`)."""
         active = self.active
         if n > len(active):
             for slot in [s for s in self.slots if s.retiring][: n - len(active)]:

@@ -33,7 +33,6 @@ class Shard:
     prompts: list[Any]
     first: int  # index of its first prompt in the batch (fixes the groups' ids)
     attempts: int = 1
-    started: float = field(default_factory=time.monotonic)
     failed_at: float | None = None  # when its last worker failed (recovery time)
     hung: bool = False
 
@@ -73,7 +72,8 @@ class Rollouts:
         for slot, part in zip(slots, parts, strict=False):
             if len(part) == 0:
                 continue
-            gap += max(0.0, now - max(slot.idle_since, since))
+            if not slot.busy:  # (a lock-step part may queue behind an evaluation)
+                gap += max(0.0, now - max(slot.idle_since, since))
             self._run(Shard(slot, batch, weights, [prompts[i] for i in part], int(part[0])))
             self._open[batch] = self._open.get(batch, 0) + 1
         return gap
@@ -87,8 +87,6 @@ class Rollouts:
     def _run(self, shard: Shard) -> None:
         ref = self.pool.run_batch(shard.slot, shard.weights, shard.prompts,
                                   (shard.batch, shard.first))  # fmt: skip
-        # queued behind a part on the same worker: its clock starts when that one ends
-        shard.started = time.monotonic() if shard.slot.calls == 1 else math.inf
         self.shards[ref] = shard
 
     def finished(self, ref: Any) -> tuple[Shard, Any, bool] | None:
@@ -98,22 +96,16 @@ class Rollouts:
         import ray
 
         shard = self.shards.pop(ref)
-        now = time.monotonic()
-        for queued in self.shards.values():  # a part queued behind this one starts now
-            if queued.slot is shard.slot and queued.started == math.inf:
-                queued.started = now
         try:
             report = ray.get(ref)
         except Exception as exc:
             self._failed(shard, exc)
             return None
-        self.pool.finished(shard.slot)
+        self.pool.ended(shard.slot, ref)  # a retiring worker with nothing left is removed
         self._open[shard.batch] -= 1
         complete = self._open[shard.batch] == 0
         if complete:
             del self._open[shard.batch]
-        if shard.slot.retiring and not shard.slot.busy:
-            self.pool.remove(shard.slot)
         return shard, report, complete
 
     def _failed(self, shard: Shard, exc: BaseException) -> None:
@@ -166,7 +158,7 @@ class Rollouts:
                 f"weights only at a publish, and no other worker holds v{version}, so the "
                 f"batch cannot be redone in this run; resume it: {self.resume_hint}"
             ) from exc
-        slot = min(members, key=lambda s: (s.calls, s.idle_since))
+        slot = min(members, key=lambda s: (len(s.queue), s.idle_since))
         logger.warning(
             "%s %s; redoing its %d prompt(s) on rollout worker %d, which holds v%d (with "
             "sync.method %s a new engine gets weights only at a publish: one joins at the next)",
@@ -182,22 +174,26 @@ class Rollouts:
         self.on_fault(what, shard.batch)
 
     def check_hung(self) -> None:
-        """Kill the worker of a part older than rollout.batch_timeout_s: its call then fails
-        like a dead worker's, and the part is redone elsewhere."""
+        """Kill the worker of a part that has run longer than rollout.batch_timeout_s (from
+        when the calls before it on its worker ended): its call then fails like a dead
+        worker's, and the part is redone elsewhere."""
         import ray
 
         limit = self.cfg.rollout.batch_timeout_s
         now = time.monotonic()
-        for shard in self.shards.values():
-            if not shard.hung and now - shard.started > limit:
-                logger.warning(
-                    "rollout worker %d: batch %d has run %.0f s (rollout.batch_timeout_s=%g): "
-                    "killing it as hung", shard.slot.index, shard.batch, now - shard.started,
-                    limit,
-                )  # fmt: skip
-                shard.hung = True
-                shard.failed_at = now
-                ray.kill(shard.slot.handle)
+        for ref, shard in self.shards.items():
+            ran = shard.slot.running_for(ref, now)
+            if shard.hung or ran <= limit:
+                continue
+            if ray.wait([ref], timeout=0)[0]:  # done, not handled yet: not hung
+                continue
+            logger.warning(
+                "rollout worker %d: batch %d has run %.0f s (rollout.batch_timeout_s=%g): "
+                "killing it as hung", shard.slot.index, shard.batch, ran, limit,
+            )  # fmt: skip
+            shard.hung = True
+            shard.failed_at = now
+            ray.kill(shard.slot.handle)
 
     def check_started(self) -> None:
         """StartTimeout when a worker given a part (one that replaced a lost worker, or was

@@ -7,6 +7,7 @@ check one thing each, in process.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -566,19 +567,23 @@ def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_ru
 
 
 @pytest.mark.slow
-def test_an_evaluation_hung_while_a_broadcast_waits_for_it_is_killed_and_the_run_goes_on(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("schedule", ["gloo-async", "ray-lockstep"])
+def test_a_hung_evaluation_has_its_worker_killed_and_the_run_goes_on(
+    tmp_path, monkeypatch, schedule
 ):
-    # sync.method gloo: a broadcast waits for its members' calls. The evaluation before
-    # training hangs (its first reward call of a held-out prompt sleeps 600 s), on a worker
-    # the broadcast of v1 needs. The broadcast used to wait for it inside the collective
-    # and rank 0 gave up after sync.broadcast_timeout_s (30 s here), stopping the run as the
-    # learner's failure. The driver now waits for its members' calls first, each bounded by
-    # rollout.batch_timeout_s: the hung worker is killed, the evaluation retried on the other
-    # one, and a new worker joins at the publish. (Here a batch queued behind the evaluation
-    # on that worker times out at the same moment, and either may kill it first; the
-    # evaluation's own bound, for a worker with nothing queued behind it, is tested in
-    # tests/unit/test_schedule.py.)
+    # The evaluation before training hangs (its first reward call of a held-out prompt
+    # sleeps 600 s). Every call on a worker, batch part or evaluation, is bounded by
+    # rollout.batch_timeout_s from when it began running: the hung worker is killed, the
+    # evaluation retried once on the other worker, and the worker replaced.
+    # gloo-async: a broadcast waits for its members' calls. It used to wait for the hung
+    # evaluation inside the collective, and rank 0 gave up after sync.broadcast_timeout_s
+    # (30 s here), stopping the run as the learner's failure; the replacement joins at the
+    # publish. No batch waits behind the evaluation (an async batch goes to a worker with
+    # nothing in flight).
+    # ray-lockstep: batch 1 is split over both workers, and worker 0's part waits behind the
+    # evaluation without its clock running; the evaluation's own bound must end the hang (a
+    # version of this change bounded evaluations only inside a broadcast's wait, and this run
+    # hung with no error). The part fails with its worker and is redone on a new one.
     from staleflow.actors.tasks import _in_eval_split
 
     marker = tmp_path / "hung-once"
@@ -602,24 +607,34 @@ def test_an_evaluation_hung_while_a_broadcast_waits_for_it_is_killed_and_the_run
     rows = [{"prompt": t, "held": _in_eval_split(t, 0.1)} for t in texts]
     assert sum(r["held"] for r in rows) >= 2
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sync = {
+        "gloo-async": ["sync.method=gloo", "sync.mode=async", "buffer.max_staleness=1",
+                       "sync.broadcast_timeout_s=30"],
+        "ray-lockstep": ["sync.method=ray", "sync.mode=lockstep", "sync.interval=1"],
+    }[schedule]  # fmt: skip
     code, out = _train(
         tmp_path, "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
         "task.reward_fn=evalhang:fn", "task.eval_prompts=2", "run.name=e", "run.steps=4",
-        "sync.method=gloo", "sync.mode=async", "sync.offset=0", "buffer.max_staleness=1",
-        "rollout.batch_timeout_s=40", "sync.broadcast_timeout_s=30",
+        "sync.offset=0", "rollout.batch_timeout_s=40", *sync,
     )  # fmt: skip
-    run, _, records = _completed(tmp_path / "runs/e", code, out, groups=4 * 2)
+    run, summary, records = _completed(tmp_path / "runs/e", code, out, groups=4 * 2)
     assert marker.exists()  # the hang happened
     log = (run / "logs/driver.log").read_text()
-    # the batch queued behind the evaluation on that worker is past rollout.batch_timeout_s
-    # at the same moment as the evaluation: either bound kills the worker first
-    assert "killing it as hung" in log
+    assert re.search(r"the evaluation of step 0 has run \d+ s \(rollout.batch_timeout_s=40\): "
+                     "killing it as hung", log)  # fmt: skip
+    assert not re.search(r"batch \d+ has run", log)  # (no batch's bound fired)
     assert [s["step"] for s in steps_of(records)] == [1, 2, 3, 4]
-    assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]
     evals = sorted(r["step"] for r in records if r["kind"] == "eval")
     assert evals == [0, 4]  # the hung one retried on the other worker
     new = [r for r in records if r["kind"] == "rollout" and r["worker"] == 2]
     assert new, "the replacement worker ran no batch"
+    if schedule == "gloo-async":
+        assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]
+    else:  # the part queued behind the evaluation died with its worker, and was redone
+        assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
+        [fault] = [r for r in records if r["kind"] == "fault"]
+        assert fault["error"].startswith("failed: ActorDiedError"), fault
+        assert fault["batch"] == 1
 
 
 @pytest.mark.slow

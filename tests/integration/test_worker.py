@@ -297,6 +297,7 @@ def test_an_evaluation_failing_as_it_would_again_is_not_retried_and_says_why(ray
 
     from staleflow.actors.tasks import TaskError
     from staleflow.cluster.evaluations import Evaluations
+    from staleflow.cluster.placement import WorkerSlot
 
     @ray.remote
     def evaluate(fail_with: str) -> object:
@@ -310,14 +311,17 @@ def test_an_evaluation_failing_as_it_would_again_is_not_retried_and_says_why(ray
 
     class Pool:  # the one part faked: which "worker" runs the evaluation
         def __init__(self) -> None:
-            self.active, self.calls, self.unknown = ["w0"], [], []
+            self.active, self.calls, self.unknown = [WorkerSlot(0, "w0")], [], []
 
         def evaluate(self, worker, weights, prompts):
             self.calls.append(weights)
             return evaluate.remote(weights)
 
         def version_unknown(self, worker):  # a failed call: its next one loads weights
-            self.unknown.append(worker)
+            self.unknown.append(worker.handle)
+
+        def ended(self, worker, ref):
+            pass
 
     for cause, retried in [("task", False), ("node", True), ("old weights", True)]:
         pool = Pool()
@@ -350,6 +354,7 @@ def test_shutdown_waits_for_a_hung_evaluation_no_longer_than_a_batch(ray_local, 
 
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.evaluations import Evaluations
+    from staleflow.cluster.placement import WorkerSlot
 
     @ray.remote
     def hung_evaluation() -> None:
@@ -358,7 +363,7 @@ def test_shutdown_waits_for_a_hung_evaluation_no_longer_than_a_batch(ray_local, 
         time.sleep(120)
 
     class Pool:  # the one part faked: which "worker" runs the evaluation
-        active = ("w0",)
+        active = (WorkerSlot(0, "w0"),)
 
         def evaluate(self, worker, weights, prompts):
             return hung_evaluation.remote()

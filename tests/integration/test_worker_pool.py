@@ -22,7 +22,7 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
             pool.add()
         wait_started({"rollout workers": [s.handle for s in pool.slots]}, 300)
         first, second = pool.slots
-        second.calls = 1  # a batch in flight (what run_batch counts; none is started here)
+        second.queue = ["a batch"]  # a call in flight (what run_batch queues; none is started)
 
         pool.scale(1)  # the busy worker retires when its batch ends, the idle one stays
         assert pool.slots == [first, second]
@@ -39,8 +39,10 @@ def test_scaling_back_up_keeps_retiring_workers_before_starting_new_ones(ray_loc
         assert [s.index for s in pool.active] == [0, 1, 2]
         assert pool._next_index == 3
 
-        second.calls = 0
-        pool.scale(1)  # idle workers go at once
+        second.queue = ["an evaluation"]
+        pool.scale(1)  # idle workers go at once, a busy one when its last call ends
+        assert [s.index for s in pool.slots] == [0, 1]
+        pool.ended(second, "an evaluation")
         assert [s.index for s in pool.slots] == [0]
     finally:
         for slot in list(pool.slots):
@@ -55,7 +57,7 @@ def test_a_part_lost_under_a_broadcast_method_is_queued_on_a_member_holding_its_
     # part. Its timeout clock starts when the part ahead of it ends, the member stays busy
     # until both are back, and the lost worker is reported for replacement (`on_lost`).
     import itertools
-    import math
+    import time
     from types import SimpleNamespace
 
     from staleflow.actors.tasks import make_task
@@ -87,20 +89,21 @@ def test_a_part_lost_under_a_broadcast_method_is_queued_on_a_member_holding_its_
         [(redo_ref, redo)] = [(r, s) for r, s in rollouts.shards.items() if s.attempts == 2]
         assert redo.slot is second
         assert redo.prompts == prompts[:2]
-        assert second.calls == 2
-        assert redo.started == math.inf
+        assert second.queue == [refs[1], redo_ref]  # behind the member's own part
+        assert second.running_for(redo_ref, time.monotonic()) == 0  # its clock not running
 
         shard, _report, complete = rollouts.finished(refs[1])  # the member's own part
         assert shard.slot is second
         assert not complete
-        assert redo.started < math.inf  # its clock runs from now
+        assert second.queue == [redo_ref]
+        assert 0 < second.running_for(redo_ref, time.monotonic() + 1) <= 1  # running from now
         assert pool.idle() == []  # still busy with the redone part
         shard, report, complete = rollouts.finished(redo_ref)
         assert complete
         assert report.policy_version == 0
         assert report.groups == 2
         assert pool.idle() == [second]
-        assert second.calls == 0
+        assert second.queue == []
 
         # the last member lost: nothing holds v0, so the run must stop with the resume command
         rollouts.start([second], 2, weights, prompts[:2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -333,13 +334,27 @@ class _Pool:
     def version_unknown(self, slot):
         slot.version = -1
 
+    def evaluate(self, slot, weights, n_prompts):  # a retry: queued on the slot
+        return slot.call(f"retry of {weights}")
+
+    def ended(self, slot, ref):
+        if ref in slot.queue:
+            slot.queue.remove(ref)
+
 
 def _waiting_driver(monkeypatch, shards, running, slots):
     """A Driver with only what `_wait_for_members` uses; `_wait` advances a fake clock by a
-    second and ends an evaluation whose worker was dropped (killed: its call fails)."""
+    second, handles the end of an evaluation whose worker was dropped (killed: its call
+    fails) and of a retry two seconds after it started (it succeeds), then checks for hung
+    evaluations as the real one does. Each evaluation in `running` is its slot's only call,
+    running since t = 0. `ray.kill` records the handles it kills (in `killed`)."""
     from types import SimpleNamespace
 
+    import ray
+    import ray.exceptions
+
     import staleflow.cluster.driver as driver_module
+    import staleflow.cluster.placement as placement_module
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.evaluations import Evaluations
 
@@ -348,7 +363,14 @@ def _waiting_driver(monkeypatch, shards, running, slots):
         "sync: {mode: async, method: gloo}\nrollout: {batch_timeout_s: 5}\n"
     )
     clock = [0.0]
-    monkeypatch.setattr(driver_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    fake_time = SimpleNamespace(monotonic=lambda: clock[0], time=lambda: clock[0])
+    monkeypatch.setattr(driver_module, "time", fake_time)
+    monkeypatch.setattr(placement_module, "time", fake_time)
+    for ref, _, slot in running:
+        slot.call(ref)
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda handle: killed.append(handle))
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
     driver = Driver.__new__(Driver)
     driver.cfg, driver.learning, driver._deferred_workers = cfg, None, None
     driver.schedule = SimpleNamespace(lockstep=False)
@@ -356,19 +378,34 @@ def _waiting_driver(monkeypatch, shards, running, slots):
     driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=True))
     driver.rollouts = SimpleNamespace(shards=shards)
     driver.evaluations = Evaluations(pool, 2, running=running)
-    waits = []
+    driver.published, driver.accuracy, driver.started, driver.progress = {}, {}, 0.0, None
+    driver.metrics = SimpleNamespace(write=lambda *args, **kwargs: None)
+    waits, retries = [], {}  # retry ref -> when it ends
+
+    def get(ref):
+        if ref not in retries:
+            raise ray.exceptions.ActorDiedError()
+        return SimpleNamespace(policy_version=int(ref.split("v")[-1]), accuracy=0.5,
+                               reward_mean=0.0, prompts=2, problems=2, temperature=0.0,
+                               parse_failures=0, reward_errors=0, examples=[])  # fmt: skip
+
+    monkeypatch.setattr(ray, "get", get)
 
     def wait():
         assert len(waits) < 50, "the publish's wait never ends"
         waits.append(clock[0])
         clock[0] += 1.0
-        done = [e for e in driver.evaluations.running if e[2] not in pool.slots]
-        for entry in done:
-            driver.evaluations.running.remove(entry)
+        for ref, _, slot in list(driver.evaluations.running):
+            if slot not in pool.slots or retries.get(ref, math.inf) <= clock[0]:
+                driver._on_eval_done(ref)
+        for ref in driver.evaluations.refs:
+            retries.setdefault(ref, clock[0] + 2) if ref.startswith("retry") else None
         for ref in [r for r, left in shards.items() if left <= clock[0]]:
             del shards[ref]
+        driver._check_evaluations_hung()
 
     driver._wait = wait
+    driver.killed = killed
     return driver, pool, waits
 
 
@@ -386,22 +423,31 @@ def test_a_broadcast_waits_for_the_batches_in_flight_then_publishes(monkeypatch)
     assert driver._deferred_workers is None
 
 
-def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_replaces_its_worker(monkeypatch):
+def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_retries_it_before_publishing(
+    monkeypatch,
+):
     # An evaluation on a member with nothing queued behind it was waited for forever (only
-    # batches are bounded by rollout.batch_timeout_s): past that limit (5 s) its worker is
-    # killed and replaced at this publish. One on a retiring worker is not a member's.
+    # batches were bounded by rollout.batch_timeout_s): past that limit (5 s) its worker is
+    # killed and replaced at this publish. Its failure is handled before the publish, so its
+    # retry runs on a member that still holds v0 (after the broadcast of v1 no engine could
+    # load v0 again, and the step's accuracy was skipped), and is waited for in turn. One
+    # on a retiring worker is not a member's: not waited for (killed as hung all the same).
     from staleflow.cluster.placement import WorkerSlot
 
     a, b, c = WorkerSlot(0, "a"), WorkerSlot(1, "b"), WorkerSlot(2, "c", retiring=True)
     running = [("e0", 0, a), ("e9", 9, c)]
     driver, pool, waits = _waiting_driver(monkeypatch, {}, running, [a, b, c])
+    driver.published = {0: "v0"}
     driver._wait_for_members()
-    assert waits == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # killed after the wait at t = 5 (> 5 s)
+    # killed after the wait at t = 5 (> 5 s); its failure at t = 7, the retry on b until 9
+    assert waits == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     assert pool.dropped == [0]
+    assert driver.killed == ["a", "c"]
     assert driver._deferred_workers == 2  # b and a replacement join at this publish
-    # the killed evaluation's failure is an event handled after the publish (a retry, or
-    # skipped); the retiring worker's evaluation was never waited for
-    assert [step for _, step, _ in driver.evaluations.running] == [0, 9]
+    assert driver.accuracy == {0: 0.5}  # the retry's, on b
+    assert b.queue == []
+    # the retiring worker's evaluation was never waited for
+    assert [step for _, step, _ in driver.evaluations.running] == [9]
 
 
 def test_a_worker_that_died_in_an_evaluation_is_replaced_at_the_next_broadcast(monkeypatch):
