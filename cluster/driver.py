@@ -567,13 +567,20 @@ class Driver(CheckpointMixin):
 
     def _check_evaluations_hung(self) -> None:
         """An evaluation that has run past rollout.batch_timeout_s has its worker killed
-        (Evaluations.check_hung). Broadcast methods forget the worker at once and replace it
-        at the next publish (the evaluation's retry then goes to a member); other methods
-        replace it when its next batch part fails, as any worker that died in an evaluation."""
+        (Evaluations.check_hung), and the evaluation is retried once, on another worker if
+        there is one. A member of a broadcast group is forgotten at once and replaced at the
+        next publish. With other methods a new worker replaces it at once, unless a batch
+        part waits behind the evaluation: that part fails with the worker and is redone on a
+        new one (Rollouts), which replaces it then. (A retiring worker goes when its calls
+        have failed: WorkerPool.ended.)"""
         limit = self.cfg.rollout.batch_timeout_s
         for slot in self.evaluations.check_hung(limit, time.monotonic()):
-            if self.sync.broadcasts and slot in self.pool.active:
+            if slot not in self.pool.active:
+                continue
+            if self.sync.broadcasts:
                 self._lose_worker(slot)
+            elif len(slot.queue) == 1:  # only the evaluation: a new worker for its retry
+                self.pool.replace(slot)
 
     def _check_learner_hung(self) -> None:
         """A learner call out longer than learner.step_timeout_s (on top of the wait for its

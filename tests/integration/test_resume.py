@@ -567,7 +567,7 @@ def test_a_worker_lost_mid_batch_under_a_broadcast_method_is_replaced_and_the_ru
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["gloo-async", "ray-lockstep"])
+@pytest.mark.parametrize("schedule", ["gloo-async", "ray-lockstep", "ray-async"])
 def test_a_hung_evaluation_has_its_worker_killed_and_the_run_goes_on(
     tmp_path, monkeypatch, schedule
 ):
@@ -584,6 +584,9 @@ def test_a_hung_evaluation_has_its_worker_killed_and_the_run_goes_on(
     # evaluation without its clock running; the evaluation's own bound must end the hang (a
     # version of this change bounded evaluations only inside a broadcast's wait, and this run
     # hung with no error). The part fails with its worker and is redone on a new one.
+    # ray-async, one worker: no batch starts while it evaluates (not a stalled schedule);
+    # killed, it is replaced at once, and the retry and the batches run on the new one (that
+    # version of the change never ended the evaluation, and the run spun without a word).
     from staleflow.actors.tasks import _in_eval_split
 
     marker = tmp_path / "hung-once"
@@ -611,6 +614,7 @@ def test_a_hung_evaluation_has_its_worker_killed_and_the_run_goes_on(
         "gloo-async": ["sync.method=gloo", "sync.mode=async", "buffer.max_staleness=1",
                        "sync.broadcast_timeout_s=30"],
         "ray-lockstep": ["sync.method=ray", "sync.mode=lockstep", "sync.interval=1"],
+        "ray-async": ["sync.method=ray", "sync.mode=async", "buffer.max_staleness=1", ONE_WORKER],
     }[schedule]  # fmt: skip
     code, out = _train(
         tmp_path, "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
@@ -625,11 +629,14 @@ def test_a_hung_evaluation_has_its_worker_killed_and_the_run_goes_on(
     assert not re.search(r"batch \d+ has run", log)  # (no batch's bound fired)
     assert [s["step"] for s in steps_of(records)] == [1, 2, 3, 4]
     evals = sorted(r["step"] for r in records if r["kind"] == "eval")
-    assert evals == [0, 4]  # the hung one retried on the other worker
-    new = [r for r in records if r["kind"] == "rollout" and r["worker"] == 2]
+    assert evals == [0, 4]  # the hung one retried on another worker
+    replacement = 1 if schedule == "ray-async" else 2  # (worker indices count up from 0)
+    new = [r for r in records if r["kind"] == "rollout" and r["worker"] == replacement]
     assert new, "the replacement worker ran no batch"
     if schedule == "gloo-async":
         assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]
+    elif schedule == "ray-async":  # no part waited behind the evaluation: none was redone
+        assert summary["faults"] == []
     else:  # the part queued behind the evaluation died with its worker, and was redone
         assert [f["what"] for f in summary["faults"]] == ["rollout worker"]
         [fault] = [r for r in records if r["kind"] == "fault"]

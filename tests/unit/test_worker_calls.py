@@ -37,6 +37,12 @@ class _Pool(WorkerPool):
         self.removed.append(slot.index)
         self.slots.remove(slot)
 
+    def replace(self, slot):  # (the real one kills it and starts an actor)
+        self.slots.remove(slot)
+        new = WorkerSlot(len(self.slots) + len(self.removed) + 10, f"new worker for {slot.index}")
+        self.slots.append(new)
+        return new
+
 
 def _async_driver(pool, overrides=()):
     """A Driver with what `_tick` reads in async mode; `rollouts.start` records which workers
@@ -252,3 +258,47 @@ def test_a_retiring_worker_goes_when_its_last_call_ends_an_evaluation_too():
     pool.ended(b, "an evaluation")
     assert pool.slots == [a]
     assert pool.removed == [1]
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_the_driver_replaces_a_worker_whose_evaluation_hung_at_once_unless_a_part_waits(
+    clock, monkeypatch, behind
+):
+    # Without a broadcast sync, a worker killed in an evaluation stayed in the pool, dead:
+    # with one worker, the evaluation's retry went to it and was skipped, and the next batch
+    # failed there before it was replaced. It is replaced at once, and the retry runs on the
+    # new worker. A part queued behind the evaluation fails with the worker and its redo
+    # replaces it (Rollouts._failed): replacing it here too would start two workers.
+    import ray
+    import ray.exceptions
+
+    import staleflow.cluster.driver as driver_module
+    from staleflow.cluster.driver import Driver
+    from staleflow.cluster.evaluations import Evaluations
+
+    monkeypatch.setattr(driver_module, "time", SimpleNamespace(monotonic=lambda: clock.t))
+    pool = _Pool(1)
+    [a] = pool.slots
+    driver = Driver.__new__(Driver)
+    driver.cfg = parse_config(ASYNC)
+    driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=False))
+    driver.evaluations = Evaluations(pool, 2)
+    driver.evaluations.start(0, SimpleNamespace(version=0))
+    [ref] = driver.evaluations.refs
+    if behind:
+        a.call("a lock-step part")
+    clock.t = 6.0
+    driver._check_evaluations_hung()
+    assert clock.killed == ["worker 0"]
+    if behind:
+        assert pool.slots == [a]  # replaced when its part fails
+        return
+    [new] = pool.slots
+    assert new is not a
+
+    def died(ref):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(ray, "get", died)
+    assert driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)}) == (0, None)
+    assert [slot for _, _, slot in driver.evaluations.running] == [new]  # the retry
