@@ -292,9 +292,10 @@ class RolloutConfig(Frozen):
         1800.0,
         gt=0.0,
         le=_WEEK_S,
-        description="Seconds a rollout batch may take (a replacement worker's start and model "
-        "load included) before its worker counts as hung: it is killed and replaced, and the "
-        "batch redone.",
+        description="Seconds a rollout batch (or a held-out evaluation) may run on its worker, "
+        "counted from when the calls ahead of it there have ended (a new worker's start and "
+        "model load included), before the worker counts as hung: it is killed and replaced, and "
+        "the batch redone (an evaluation is retried once).",
     )
     vllm: VLLMConfig = Field(
         default_factory=VLLMConfig, description="vLLM engine arguments (engine: vllm)."
