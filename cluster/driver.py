@@ -135,6 +135,8 @@ class Driver(CheckpointMixin):
             self._redo_batches()
         elif self.schedule.lockstep:
             version = self.schedule.next_batch(self.flow)
+            if version is not None and not self.pool.active:
+                version = self._rejoin(version)
             if version is not None:
                 self._dispatch(self.pool.active, version)
         else:
@@ -154,9 +156,10 @@ class Driver(CheckpointMixin):
                     version,
                 )  # fmt: skip
                 self._dispatch(idle[:1], version)
-            # no worker was free to ask, each in an evaluation (no batch: none is running)
-            evaluating = not self.pool.idle() and any(s.busy for s in self.pool.active)
-            if not self.flow.running and not evaluating and self.flow.untrained() < self.schedule.G:
+            # stalled only if a worker was free and refused a batch: not while each is in an
+            # evaluation, or every one was lost and new ones join at the next publish
+            refused = bool(self.pool.idle())
+            if not self.flow.running and refused and self.flow.untrained() < self.schedule.G:
                 raise BatchStalled(
                     f"async schedule stalled at step {self.step}: no batch may start "
                     f"(buffer.max_staleness={self.cfg.buffer.max_staleness}) and the buffer "
@@ -176,6 +179,26 @@ class Driver(CheckpointMixin):
             self.learning = self.learner.train(wait, publish)
             self._learning_since = time.monotonic() + wait  # its take may wait this long
             self._ranks_returned = set()
+
+    def _rejoin(self, version: int) -> int | None:
+        """Lock-step with a broadcast method, every worker lost (in evaluations: a part is
+        redone on a member, Rollouts): new workers join at a publish, and the schedule's
+        next one waits for this batch. They join now, once the learner is between calls, if
+        its current weights are the version the batch needs (returned, to dispatch it; None
+        to wait); otherwise no engine can load that version in this run."""
+        if self.learning is not None:
+            return None
+        if version == self.step and self._deferred_workers:
+            logger.warning("every rollout worker was lost: publishing v%d now, for the new "
+                           "ones to join", version)  # fmt: skip
+            self._publish()
+            return version
+        raise RuntimeError(
+            f"every rollout worker was lost, and the next batch needs weights v{version}: "
+            f"with sync.method {self.cfg.sync.method} a new engine gets weights only from a "
+            f"broadcast of the learner's current ones (v{self.step}), so it cannot be run in "
+            f"this run; resume it: {self.rollouts.resume_hint}"
+        )
 
     def _dispatch(self, slots: list[Any], version: int, batch: int | None = None) -> None:
         """Start a new rollout batch (or, given `batch`, one a resume redoes) at `version`,
@@ -427,13 +450,6 @@ class Driver(CheckpointMixin):
 
     def _on_eval_done(self, ref: Any) -> None:
         step, report = self.evaluations.finished(ref, self.published)
-        for slot in self.evaluations.take_lost():
-            # its next call would fail too: a broadcast would include the dead member and
-            # stop the run; other methods replace it when its next batch fails
-            if self.sync.broadcasts and slot in self.pool.active:
-                logger.warning("rollout worker %d died in an evaluation: replacing it at the "
-                               "next publish", slot.index)  # fmt: skip
-                self._lose_worker(slot)
         if report is None:
             return
         self.accuracy[step] = report.accuracy
@@ -561,26 +577,26 @@ class Driver(CheckpointMixin):
                 self._on_eval_done(ref)
         self._check_learner_hung()
         self.rollouts.check_hung()
-        self._check_evaluations_hung()
+        self.evaluations.check_hung(self.cfg.rollout.batch_timeout_s, time.monotonic())
         self.rollouts.check_started()
         self._check_redis()
 
-    def _check_evaluations_hung(self) -> None:
-        """An evaluation that has run past rollout.batch_timeout_s has its worker killed
-        (Evaluations.check_hung), and the evaluation is retried once, on another worker if
-        there is one. A member of a broadcast group is forgotten at once and replaced at the
-        next publish. With other methods a new worker replaces it at once, unless a batch
-        part waits behind the evaluation: that part fails with the worker and is redone on a
-        new one (Rollouts), which replaces it then. (A retiring worker goes when its calls
-        have failed: WorkerPool.ended.)"""
-        limit = self.cfg.rollout.batch_timeout_s
-        for slot in self.evaluations.check_hung(limit, time.monotonic()):
-            if slot not in self.pool.active:
-                continue
-            if self.sync.broadcasts:
-                self._lose_worker(slot)
-            elif len(slot.queue) == 1:  # only the evaluation: a new worker for its retry
-                self.pool.replace(slot)
+    def _worker_lost_in_evaluation(self, slot: Any) -> None:
+        """Its worker died in an evaluation (or was killed as hung): told before the
+        evaluation's retry is placed. Its next call would fail too. Broadcast methods forget
+        it at once and replace it at the next publish (a broadcast would include the dead
+        member and stop the run); other methods replace it now, and a batch part queued on
+        it fails and is redone on a live worker (Rollouts._failed). One retiring, or dropped
+        or replaced already, is not replaced (again)."""
+        if slot not in self.pool.active:
+            return
+        if self.sync.broadcasts:
+            logger.warning("rollout worker %d died in an evaluation: replacing it at the next "
+                           "publish", slot.index)  # fmt: skip
+            self._lose_worker(slot)
+            return
+        logger.warning("rollout worker %d died in an evaluation: replacing it", slot.index)
+        self.pool.replace(slot)
 
     def _check_learner_hung(self) -> None:
         """A learner call out longer than learner.step_timeout_s (on top of the wait for its
@@ -744,7 +760,9 @@ class Driver(CheckpointMixin):
             self._on_fault,
             self._replace_lost_worker,
         )
-        self.evaluations = Evaluations(self.pool, self.cfg.task.eval_prompts)
+        self.evaluations = Evaluations(
+            self.pool, self.cfg.task.eval_prompts, on_lost=self._worker_lost_in_evaluation
+        )
         if self.resumed is not None:
             self._restore(self.resumed)
         self._publish()

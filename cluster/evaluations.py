@@ -5,6 +5,7 @@ would only repeat (the task's data, its reward function, a prompt too long)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,14 +16,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Evaluations:
-    """Evaluations of `prompts` held-out prompts running on `pool` (cluster.placement)."""
+    """Evaluations of `prompts` held-out prompts running on `pool` (cluster.placement).
+    `on_lost(slot)` is told of a worker that died in one (or was killed as hung), before its
+    retry is placed: the driver replaces it there (Driver._worker_lost_in_evaluation)."""
 
     pool: Any
     prompts: int
     running: list[tuple[Any, int, Any]] = field(default_factory=list)  # (ref, step, slot)
+    on_lost: Callable[[Any], None] = lambda slot: None
     _hung: set[Any] = field(default_factory=set)  # refs whose worker was killed as hung
     _retried: set[int] = field(default_factory=set)
-    _lost: list[Any] = field(default_factory=list)  # slots whose worker died in an evaluation
 
     def start(self, step: int, weights: Any, avoid: Any = None) -> None:
         """Evaluate `weights` (the version of `step`) on a live worker with the fewest calls
@@ -32,17 +35,16 @@ class Evaluations:
         slot = min(others, key=lambda s: len(s.queue))
         self.running.append((self.pool.evaluate(slot, weights, self.prompts), step, slot))
 
-    def check_hung(self, limit: float, now: float) -> list[Any]:
+    def check_hung(self, limit: float, now: float) -> None:
         """Kill the worker of an evaluation that has run longer than `limit` s (from when
         the calls before it on its worker ended), as a hung batch's (Rollouts.check_hung):
-        its call then fails and it is retried once, on another worker if there is one.
-        Returns the slots killed. (One on a worker already dropped fails on its own.)"""
+        its call then fails, the worker is replaced (`on_lost`) and the evaluation retried
+        once, on another worker if there is one."""
         import ray
 
-        killed = []
         for ref, step, slot in self.running:
             ran = slot.running_for(ref, now)
-            if ref in self._hung or slot not in self.pool.slots or ran <= limit:
+            if ref in self._hung or ran <= limit:
                 continue
             if ray.wait([ref], timeout=0)[0]:  # done, not handled yet: not hung
                 continue
@@ -51,14 +53,7 @@ class Evaluations:
                 "(rollout.batch_timeout_s=%g): killing it as hung", slot.index, step, ran, limit,
             )  # fmt: skip
             self._hung.add(ref)
-            ray.kill(slot.handle)
-            killed.append(slot)
-        return killed
-
-    def take_lost(self) -> list[Any]:
-        """The slots whose worker died in an evaluation since the last call (once each)."""
-        lost, self._lost = self._lost, []
-        return lost
+            ray.kill(slot.handle)  # (again, if the worker was dropped already: no matter)
 
     @property
     def refs(self) -> list[Any]:
@@ -95,7 +90,7 @@ class Evaluations:
             # runs on it next loads its version first.
             self.pool.version_unknown(slot)
             if isinstance(exc, ray.exceptions.ActorDiedError):
-                self._lost.append(slot)
+                self.on_lost(slot)  # replaced before the retry is placed
             shown = remote_cause(exc)
             repeats = isinstance(shown, TaskError | RewardError | PromptTooLongError)
             weights = published.get(step)

@@ -130,11 +130,17 @@ class Rollouts:
         if self.broadcasts:
             self._redo_on_a_member(shard, where, what, exc)
             return
-        logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
-                       len(shard.prompts))  # fmt: skip
-        retiring = shard.slot.retiring
-        shard.slot = self.pool.replace(shard.slot)
-        shard.slot.retiring = retiring
+        if shard.slot in self.pool.slots:
+            logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
+                           len(shard.prompts))  # fmt: skip
+            retiring = shard.slot.retiring
+            shard.slot = self.pool.replace(shard.slot)
+            shard.slot.retiring = retiring
+        else:  # replaced already (it died in a call ahead of this part): not once more
+            shard.slot = min(self.pool.active, key=lambda s: (len(s.queue), s.idle_since))
+            logger.warning("%s %s; it was replaced already: redoing its %d prompt(s) on rollout "
+                           "worker %d", where, what, len(shard.prompts),
+                           shard.slot.index)  # fmt: skip
         shard.attempts += 1
         shard.hung = False
         shard.failed_at = shard.failed_at or time.monotonic()

@@ -344,7 +344,7 @@ class _Pool:
 
 def _waiting_driver(monkeypatch, shards, running, slots):
     """A Driver with only what `_wait_for_members` uses; `_wait` advances a fake clock by a
-    second, handles the end of an evaluation whose worker was dropped (killed: its call
+    second, handles the end of an evaluation whose worker was killed or dropped (its call
     fails) and of a retry two seconds after it started (it succeeds), then checks for hung
     evaluations as the real one does. Each evaluation in `running` is its slot's only call,
     running since t = 0. `ray.kill` records the handles it kills (in `killed`)."""
@@ -377,7 +377,9 @@ def _waiting_driver(monkeypatch, shards, running, slots):
     pool = _Pool(slots)
     driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=True))
     driver.rollouts = SimpleNamespace(shards=shards)
-    driver.evaluations = Evaluations(pool, 2, running=running)
+    driver.evaluations = Evaluations(
+        pool, 2, running=running, on_lost=driver._worker_lost_in_evaluation
+    )
     driver.published, driver.accuracy, driver.started, driver.progress = {}, {}, 0.0, None
     driver.metrics = SimpleNamespace(write=lambda *args, **kwargs: None)
     waits, retries = [], {}  # retry ref -> when it ends
@@ -396,13 +398,14 @@ def _waiting_driver(monkeypatch, shards, running, slots):
         waits.append(clock[0])
         clock[0] += 1.0
         for ref, _, slot in list(driver.evaluations.running):
-            if slot not in pool.slots or retries.get(ref, math.inf) <= clock[0]:
+            killed_or_dropped = slot.handle in killed or slot not in pool.slots
+            if killed_or_dropped or retries.get(ref, math.inf) <= clock[0]:
                 driver._on_eval_done(ref)
         for ref in driver.evaluations.refs:
             retries.setdefault(ref, clock[0] + 2) if ref.startswith("retry") else None
         for ref in [r for r, left in shards.items() if left <= clock[0]]:
             del shards[ref]
-        driver._check_evaluations_hung()
+        driver.evaluations.check_hung(cfg.rollout.batch_timeout_s, clock[0])
 
     driver._wait = wait
     driver.killed = killed
@@ -431,18 +434,19 @@ def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_retries_it_before_
     # killed and replaced at this publish. Its failure is handled before the publish, so its
     # retry runs on a member that still holds v0 (after the broadcast of v1 no engine could
     # load v0 again, and the step's accuracy was skipped), and is waited for in turn. One
-    # on a retiring worker is not a member's: not waited for (killed as hung all the same).
+    # on a retiring worker is not a member's: not waited for.
     from staleflow.cluster.placement import WorkerSlot
 
     a, b, c = WorkerSlot(0, "a"), WorkerSlot(1, "b"), WorkerSlot(2, "c", retiring=True)
     running = [("e0", 0, a), ("e9", 9, c)]
     driver, pool, waits = _waiting_driver(monkeypatch, {}, running, [a, b, c])
+    c.head_since = 4.5  # (its evaluation began later: not hung within this wait)
     driver.published = {0: "v0"}
     driver._wait_for_members()
     # killed after the wait at t = 5 (> 5 s); its failure at t = 7, the retry on b until 9
     assert waits == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     assert pool.dropped == [0]
-    assert driver.killed == ["a", "c"]
+    assert driver.killed == ["a"]
     assert driver._deferred_workers == 2  # b and a replacement join at this publish
     assert driver.accuracy == {0: 0.5}  # the retry's, on b
     assert b.queue == []
@@ -476,4 +480,6 @@ def test_a_worker_that_died_in_an_evaluation_is_replaced_at_the_next_broadcast(m
     driver._on_eval_done("dead")
     assert pool.dropped == [0]
     assert driver._deferred_workers == 2  # b and a replacement
-    assert driver.evaluations.take_lost() == []  # each lost worker reported once
+    driver._worker_lost_in_evaluation(a)  # told again (another call on it failing)
+    assert pool.dropped == [0]
+    assert driver._deferred_workers == 2  # still one replacement

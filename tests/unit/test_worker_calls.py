@@ -69,7 +69,7 @@ def _async_driver(pool, overrides=()):
             slot.queue.append(f"batch {batch}")
         return 0.0
 
-    driver.rollouts = SimpleNamespace(start=start)
+    driver.rollouts = SimpleNamespace(start=start, resume_hint="staleflow train --resume R")
     return driver, given
 
 
@@ -107,6 +107,44 @@ def test_an_async_run_whose_workers_all_evaluate_waits_instead_of_stalling():
     with pytest.raises(BatchStalled, match=r"holds 3 of the 4 groups a step needs"):
         driver._tick()  # a worker is free and the schedule refuses its batch
     assert given == []
+    # every worker lost (broadcast methods: in evaluations; new ones join at the next
+    # publish): no batch was refused either
+    pool.slots = []
+    driver._tick()
+    assert given == []
+
+
+def test_lockstep_with_every_worker_lost_publishes_for_new_ones_or_says_it_cannot_go_on():
+    # Broadcast methods: a worker lost in an evaluation is replaced at the next publish, and
+    # a lock-step publish waits for the batch that needs workers: the batch was split over
+    # no worker at all (numpy: "number sections must be larger than 0").
+    pool = _Pool(0)
+    driver, given = _async_driver(pool)
+    driver.schedule = SimpleNamespace(lockstep=True, next_batch=lambda flow: 0,
+                                      may_step=lambda flow: False)  # fmt: skip
+    driver._deferred_workers = 2
+    published = []
+
+    def publish():  # (the real one scales to the workers deferred, then broadcasts)
+        published.append(driver.step)
+        pool.slots = [WorkerSlot(7, "new 7"), WorkerSlot(8, "new 8")]
+
+    driver._publish = publish
+    driver._tick()  # a learner call is in flight: waits for it
+    assert (published, given) == ([], [])
+    driver.learning = None
+    driver._tick()  # the learner holds v0, the version batch 1 needs: they join now
+    assert published == [0]
+    assert given == [(1, [7, 8])]
+    pool.slots, driver.flow.steps = [], 3
+    driver.schedule.next_batch = lambda flow: 2  # (lock-step with a lag: older weights)
+    with pytest.raises(
+        RuntimeError,
+        match=r"every rollout worker was lost, and the next batch "
+        r"needs weights v2: .* \(v3\).* resume it: staleflow train --resume R",
+    ):
+        driver._tick()  # fmt: skip
+    assert published == [0]
 
 
 @pytest.fixture
@@ -142,11 +180,11 @@ def test_a_part_queued_behind_an_evaluation_starts_its_hung_clock_when_that_ends
     rollouts.start([worker], 1, SimpleNamespace(version=0), ["p1", "p2"])
     [part] = rollouts.shards
     clock.t = 4.0  # the evaluation takes a minute, the batch timeout is 5 s
-    assert evaluations.check_hung(5, clock.t) == []
+    evaluations.check_hung(5, clock.t)
     clock.t = 60.0
     [ref] = evaluations.refs
     clock.done.add(ref)  # done, not yet handled: neither it nor the part behind is hung
-    assert evaluations.check_hung(5, clock.t) == []
+    evaluations.check_hung(5, clock.t)
     rollouts.check_hung()
     assert clock.killed == []
     assert evaluations.finished(ref, {0: "weights"})[0] == 0  # (its report: accuracy 1.0)
@@ -182,11 +220,13 @@ def test_an_evaluation_that_never_ends_has_its_worker_killed(clock, monkeypatch,
         clock.done.add(mine)
         rollouts.finished(mine)
     clock.t = 5.0  # not past the 5 s bound yet
-    assert evaluations.check_hung(5, clock.t) == []
+    evaluations.check_hung(5, clock.t)
+    assert clock.killed == []
     clock.t = 5.5
-    assert evaluations.check_hung(5, clock.t) == [a]
+    evaluations.check_hung(5, clock.t)
     assert clock.killed == ["worker 0"]
-    assert evaluations.check_hung(5, 9.0) == []  # killed once
+    evaluations.check_hung(5, 9.0)
+    assert clock.killed == ["worker 0"]  # killed once
     rollouts.check_hung()
     assert clock.killed == ["worker 0"]  # the part behind it was not running: not its bound
     # its call fails (the worker was killed): retried on the other worker
@@ -199,35 +239,6 @@ def test_an_evaluation_that_never_ends_has_its_worker_killed(clock, monkeypatch,
     monkeypatch.setattr(ray, "get", died)
     assert evaluations.finished(ref, {0: SimpleNamespace(version=0)}) == (0, None)
     assert [slot for _, _, slot in evaluations.running] == [b]
-
-
-def test_the_driver_replaces_a_broadcast_member_whose_evaluation_hung(clock, monkeypatch):
-    # With a broadcast sync a killed member is forgotten at once and replaced at the next
-    # publish (the broadcast would include it otherwise); the evaluation's retry goes to a
-    # live member.
-    import staleflow.cluster.driver as driver_module
-    from staleflow.cluster.driver import Driver
-    from staleflow.cluster.evaluations import Evaluations
-
-    monkeypatch.setattr(driver_module, "time", SimpleNamespace(monotonic=lambda: clock.t))
-    pool = _Pool(2)
-    a, b = pool.slots
-    pool.drop = lambda slot: pool.slots.remove(slot)
-    driver = Driver.__new__(Driver)
-    driver.cfg = parse_config(ASYNC)
-    driver.schedule = SimpleNamespace(lockstep=False)
-    driver._deferred_workers = None
-    driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=True))
-    driver.evaluations = Evaluations(pool, 2)
-    driver.evaluations.start(0, SimpleNamespace(version=0))
-    clock.t = 4.0
-    driver._check_evaluations_hung()
-    assert pool.slots == [a, b]
-    clock.t = 6.0
-    driver._check_evaluations_hung()
-    assert clock.killed == ["worker 0"]
-    assert pool.slots == [b]
-    assert driver._deferred_workers == 2  # b and a new worker from the next publish
 
 
 def test_an_evaluation_goes_to_a_worker_with_nothing_in_flight():
@@ -260,45 +271,83 @@ def test_a_retiring_worker_goes_when_its_last_call_ends_an_evaluation_too():
     assert pool.removed == [1]
 
 
-@pytest.mark.parametrize("behind", [False, True])
-def test_the_driver_replaces_a_worker_whose_evaluation_hung_at_once_unless_a_part_waits(
-    clock, monkeypatch, behind
-):
-    # Without a broadcast sync, a worker killed in an evaluation stayed in the pool, dead:
-    # with one worker, the evaluation's retry went to it and was skipped, and the next batch
-    # failed there before it was replaced. It is replaced at once, and the retry runs on the
-    # new worker. A part queued behind the evaluation fails with the worker and its redo
-    # replaces it (Rollouts._failed): replacing it here too would start two workers.
-    import ray
-    import ray.exceptions
-
-    import staleflow.cluster.driver as driver_module
+def _driver_with(pool, broadcasts):
+    """A Driver with what a worker lost in an evaluation involves: `evaluations` tells it of
+    the loss (on_lost), `rollouts` redoes a part that was queued on the worker."""
     from staleflow.cluster.driver import Driver
     from staleflow.cluster.evaluations import Evaluations
+    from staleflow.cluster.rollouts import Rollouts
 
-    monkeypatch.setattr(driver_module, "time", SimpleNamespace(monotonic=lambda: clock.t))
-    pool = _Pool(1)
-    [a] = pool.slots
     driver = Driver.__new__(Driver)
     driver.cfg = parse_config(ASYNC)
-    driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=False))
-    driver.evaluations = Evaluations(pool, 2)
+    driver.schedule = SimpleNamespace(lockstep=False)
+    driver._deferred_workers = None
+    driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=broadcasts))
+    driver.rollouts = Rollouts(driver.cfg, pool, broadcasts, "resume", lambda error, b: None)
+    driver.evaluations = Evaluations(pool, 2, on_lost=driver._worker_lost_in_evaluation)
+    return driver
+
+
+def _died(ref):
+    import ray.exceptions
+
+    raise ray.exceptions.ActorDiedError()
+
+
+def test_a_broadcast_member_killed_in_an_evaluation_is_forgotten_and_replaced_at_a_publish(
+    clock, monkeypatch
+):
+    # Its slot stayed in the pool: the next broadcast included the dead member and the run
+    # stopped. It is forgotten before the evaluation's retry is placed (on the live member),
+    # and a new worker joins at the next publish.
+    import ray
+
+    pool = _Pool(2)
+    a, b = pool.slots
+    pool.drop = lambda slot: pool.slots.remove(slot)
+    driver = _driver_with(pool, broadcasts=True)
     driver.evaluations.start(0, SimpleNamespace(version=0))
     [ref] = driver.evaluations.refs
-    if behind:
-        a.call("a lock-step part")
-    clock.t = 6.0
-    driver._check_evaluations_hung()
+    driver.evaluations.check_hung(5, 6.0)
     assert clock.killed == ["worker 0"]
-    if behind:
-        assert pool.slots == [a]  # replaced when its part fails
-        return
+    monkeypatch.setattr(ray, "get", _died)
+    assert driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)}) == (0, None)
+    assert pool.slots == [b]
+    assert driver._deferred_workers == 2  # b and a new worker from the next publish
+    assert [slot for _, _, slot in driver.evaluations.running] == [b]  # the retry
+    driver._worker_lost_in_evaluation(a)  # told again (another call on it failing)
+    assert driver._deferred_workers == 2  # still one replacement
+
+
+@pytest.mark.parametrize("behind", [False, True])
+def test_a_worker_killed_in_an_evaluation_is_replaced_before_its_retry_and_only_once(
+    clock, monkeypatch, behind
+):
+    # Without a broadcast sync, a worker that died in an evaluation (or was killed as hung)
+    # stayed in the pool, dead: with one worker, the evaluation's retry went to it and was
+    # skipped, and the next batch failed there before it was replaced. It is replaced before
+    # the retry is placed. A part queued behind the evaluation fails with the worker and is
+    # redone on the new one: replacing it once more would start a second worker.
+    import ray
+
+    pool = _Pool(1)
+    [a] = pool.slots
+    driver = _driver_with(pool, broadcasts=False)
+    driver.evaluations.start(0, SimpleNamespace(version=0))
+    [ref] = driver.evaluations.refs
+    if behind:  # a lock-step part
+        driver.rollouts.start([a], 1, SimpleNamespace(version=0), ["p1", "p2"])
+    driver.evaluations.check_hung(5, 6.0)
+    assert clock.killed == ["worker 0"]
+    monkeypatch.setattr(ray, "get", _died)
+    assert driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)}) == (0, None)
     [new] = pool.slots
     assert new is not a
-
-    def died(ref):
-        raise ray.exceptions.ActorDiedError()
-
-    monkeypatch.setattr(ray, "get", died)
-    assert driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)}) == (0, None)
     assert [slot for _, _, slot in driver.evaluations.running] == [new]  # the retry
+    if behind:
+        [part] = driver.rollouts.shards
+        assert driver.rollouts.finished(part) is None  # failed with its worker: redone
+        assert pool.slots == [new]
+        [(_, redone)] = driver.rollouts.shards.items()
+        assert redone.slot is new
+        assert redone.attempts == 2
