@@ -97,6 +97,7 @@ class Driver(CheckpointMixin):
         self.services = Services(self.cfg, self.rundir, self.address)
         self.metrics: Any = None  # MetricsWriter, once started
         self._deferred_workers: int | None = None
+        self._draining = False  # in _drain: a worker lost is not replaced any more
         self.redo: list[int] = []  # batches running at the checkpoint a resume started from
         self.resumed: Resume | None = None
         self.faults: list[dict[str, Any]] = []  # what failed, when, how long recovery took
@@ -188,7 +189,10 @@ class Driver(CheckpointMixin):
         to wait); otherwise no engine can load that version in this run."""
         if self.learning is not None:
             return None
-        if version == self.step and self._deferred_workers:
+        # (only broadcast methods lose a worker without replacing it: the new ones are due)
+        assert self.sync.broadcasts, "no rollout worker"
+        assert self._deferred_workers, "no rollout worker, and none due"
+        if version == self.step:
             logger.warning("every rollout worker was lost: publishing v%d now, for the new "
                            "ones to join", version)  # fmt: skip
             self._publish()
@@ -196,8 +200,8 @@ class Driver(CheckpointMixin):
         raise RuntimeError(
             f"every rollout worker was lost, and the next batch needs weights v{version}: "
             f"with sync.method {self.cfg.sync.method} a new engine gets weights only from a "
-            f"broadcast of the learner's current ones (v{self.step}), so it cannot be run in "
-            f"this run; resume it: {self.rollouts.resume_hint}"
+            f"broadcast of the learner's current ones (v{self.step}, newer), so it cannot be "
+            f"run in this run; resume it: {self.rollouts.resume_hint}"
         )
 
     def _dispatch(self, slots: list[Any], version: int, batch: int | None = None) -> None:
@@ -226,8 +230,11 @@ class Driver(CheckpointMixin):
         assert self.resumed is not None
         if self.schedule.lockstep:
             if not self.flow.running:
-                batch = self.redo.pop(0)
-                self._dispatch(self.pool.active, self.resumed.versions[batch], batch)
+                version: int | None = self.resumed.versions[self.redo[0]]
+                if not self.pool.active:
+                    version = self._rejoin(version)
+                if version is not None:
+                    self._dispatch(self.pool.active, version, self.redo.pop(0))
             return
         for slot in self.pool.idle():
             if not self.redo:
@@ -419,13 +426,19 @@ class Driver(CheckpointMixin):
         its version), or an evaluation on a member of the next broadcast, or on a worker
         lost or killed whose failure is not handled yet: it is retried on a member, which
         holds its version only until this broadcast (after it, the retry could not load it
-        and the step's accuracy would be skipped)."""
+        and the step's accuracy would be skipped), or on a retiring worker a scale due at
+        this publish may make a member again."""
         if self.rollouts is None:
             return False
         if self.rollouts.shards:
             return True
-        slots = self.pool.slots
-        return any(s in self.pool.active or s not in slots for _, _, s in self.evaluations.running)
+        slots, scaling = self.pool.slots, self._deferred_workers is not None
+        # (a scale due at this publish may make a retiring worker a member again: WorkerPool
+        # .scale; it must not be in an evaluation, or dead with its failure not handled yet)
+        return any(
+            s in self.pool.active or s not in slots or (scaling and s.retiring)
+            for _, _, s in self.evaluations.running
+        )
 
     def _published(self, weights: Any) -> None:
         self.published[weights.version] = weights
@@ -588,7 +601,7 @@ class Driver(CheckpointMixin):
         member and stop the run); other methods replace it now, and a batch part queued on
         it fails and is redone on a live worker (Rollouts._failed). One retiring, or dropped
         or replaced already, is not replaced (again)."""
-        if slot not in self.pool.active:
+        if slot not in self.pool.active or getattr(self, "_draining", False):
             return
         if self.sync.broadcasts:
             logger.warning("rollout worker %d died in an evaluation: replacing it at the next "
@@ -635,6 +648,8 @@ class Driver(CheckpointMixin):
     def _drain(self) -> None:
         """Finish the step and evaluations in flight; let no rollout batch push afterwards."""
         import ray
+
+        self._draining = True
 
         while self.learning is not None:  # a rank failing first stops it (`_rank_returned`)
             done, _ = ray.wait(self._learning_refs(), num_returns=1, timeout=1.0)

@@ -72,6 +72,7 @@ class Evaluations:
 
         step, slot = next((s, w) for r, s, w in self.running if r == ref)
         self.running = [entry for entry in self.running if entry[0] != ref]
+        killed = ref in self._hung  # (it may have ended just before the kill: still lost)
         self._hung.discard(ref)
         self.pool.ended(slot, ref)  # (a retiring worker with nothing left is removed)
         from staleflow.actors.tasks import TaskError
@@ -84,12 +85,18 @@ class Evaluations:
                 raise RuntimeError(
                     f"the evaluation of step {step} ran on weights v{report.policy_version}"
                 )
+            if killed:
+                self.on_lost(slot)
             return step, report
         except Exception as exc:  # its worker died, or the evaluation itself failed
             # The weights it holds are unknown (a load may have failed partway): whatever
             # runs on it next loads its version first.
             self.pool.version_unknown(slot)
-            if isinstance(exc, ray.exceptions.ActorDiedError):
+            died = isinstance(exc, ray.exceptions.RayActorError) and not isinstance(
+                exc,
+                ray.exceptions.ActorUnavailableError,  # (transient: it may come back)
+            )
+            if killed or died:
                 self.on_lost(slot)  # replaced before the retry is placed
             shown = remote_cause(exc)
             repeats = isinstance(shown, TaskError | RewardError | PromptTooLongError)

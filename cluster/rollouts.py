@@ -91,8 +91,8 @@ class Rollouts:
 
     def finished(self, ref: Any) -> tuple[Shard, Any, bool] | None:
         """A part's call returned: (its shard, the worker's report, whether that completed
-        the batch), or None if it failed and runs again on a replacement worker (raises if
-        it may not: see `_failed`)."""
+        the batch), or None if it failed and runs again on another worker (raises if it may
+        not: see `_failed`)."""
         import ray
 
         shard = self.shards.pop(ref)
@@ -109,9 +109,11 @@ class Rollouts:
         return shard, report, complete
 
     def _failed(self, shard: Shard, exc: BaseException) -> None:
-        """A worker died, hung or raised: replace it and redo its part of the batch, unless
-        the error would only repeat (a reward function, a full buffer, a prompt too long for
-        the model) or the part failed rollout.max_restarts times already."""
+        """A worker died, hung or raised: replace it (unless it was replaced already) and
+        redo its part of the batch, unless the error would only repeat (a reward function, a
+        full buffer, a prompt too long for the model) or the part failed
+        rollout.max_restarts times already. Broadcast methods redo it on a member instead
+        (`_redo_on_a_member`)."""
         from staleflow.actors.worker import PromptTooLongError, RewardError
         from staleflow.buffer.replay import BufferFullError
         from staleflow.cluster.failures import remote_cause

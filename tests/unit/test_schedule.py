@@ -419,11 +419,13 @@ def test_a_broadcast_waits_for_the_batches_in_flight_then_publishes(monkeypatch)
     from staleflow.cluster.placement import WorkerSlot
 
     a, b = WorkerSlot(0, "a"), WorkerSlot(1, "b", retiring=True)
-    driver, pool, waits = _waiting_driver(monkeypatch, {"s1": 3.0}, [], [a, b])
+    running = [("e5", 5, b)]  # on the retiring worker: no scale is due, it stays retiring
+    driver, pool, waits = _waiting_driver(monkeypatch, {"s1": 3.0}, running, [a, b])
     driver._wait_for_members()
     assert waits == [0.0, 1.0, 2.0]  # until the shard ended at t = 3
     assert pool.dropped == []
     assert driver._deferred_workers is None
+    assert [step for _, step, _ in driver.evaluations.running] == [5]  # not waited for
 
 
 def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_retries_it_before_publishing(
@@ -434,24 +436,26 @@ def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_retries_it_before_
     # killed and replaced at this publish. Its failure is handled before the publish, so its
     # retry runs on a member that still holds v0 (after the broadcast of v1 no engine could
     # load v0 again, and the step's accuracy was skipped), and is waited for in turn. One
-    # on a retiring worker is not a member's: not waited for.
+    # on a retiring worker is waited for too once a's replacement is due at this publish:
+    # scaling up makes a retiring worker a member again first (WorkerPool.scale), and the
+    # broadcast would wait for its evaluation inside the collective. It hangs as well.
     from staleflow.cluster.placement import WorkerSlot
 
     a, b, c = WorkerSlot(0, "a"), WorkerSlot(1, "b"), WorkerSlot(2, "c", retiring=True)
     running = [("e0", 0, a), ("e9", 9, c)]
     driver, pool, waits = _waiting_driver(monkeypatch, {}, running, [a, b, c])
-    c.head_since = 4.5  # (its evaluation began later: not hung within this wait)
+    c.head_since = 4.5  # (its evaluation began later)
     driver.published = {0: "v0"}
     driver._wait_for_members()
-    # killed after the wait at t = 5 (> 5 s); its failure at t = 7, the retry on b until 9
-    assert waits == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    # a killed after the wait at t = 5 (> 5 s): its failure at t = 7, the retry on b until 9;
+    # c's killed after the wait at t = 9 (10 - 4.5 > 5), its failure at t = 11
+    assert waits == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0]
     assert pool.dropped == [0]
-    assert driver.killed == ["a"]
+    assert driver.killed == ["a", "c"]
     assert driver._deferred_workers == 2  # b and a replacement join at this publish
     assert driver.accuracy == {0: 0.5}  # the retry's, on b
     assert b.queue == []
-    # the retiring worker's evaluation was never waited for
-    assert [step for _, step, _ in driver.evaluations.running] == [9]
+    assert driver.evaluations.running == []  # (step 9's was not published: not retried)
 
 
 def test_a_worker_that_died_in_an_evaluation_is_replaced_at_the_next_broadcast(monkeypatch):

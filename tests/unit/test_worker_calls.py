@@ -123,10 +123,12 @@ def test_lockstep_with_every_worker_lost_publishes_for_new_ones_or_says_it_canno
     driver.schedule = SimpleNamespace(lockstep=True, next_batch=lambda flow: 0,
                                       may_step=lambda flow: False)  # fmt: skip
     driver._deferred_workers = 2
+    driver.services.sync.broadcasts = True
     published = []
 
     def publish():  # (the real one scales to the workers deferred, then broadcasts)
         published.append(driver.step)
+        driver.published[driver.step] = SimpleNamespace(version=driver.step)
         pool.slots = [WorkerSlot(7, "new 7"), WorkerSlot(8, "new 8")]
 
     driver._publish = publish
@@ -141,10 +143,17 @@ def test_lockstep_with_every_worker_lost_publishes_for_new_ones_or_says_it_canno
     with pytest.raises(
         RuntimeError,
         match=r"every rollout worker was lost, and the next batch "
-        r"needs weights v2: .* \(v3\).* resume it: staleflow train --resume R",
+        r"needs weights v2: .* \(v3, newer\).* resume it: staleflow train --resume R",
     ):
         driver._tick()  # fmt: skip
     assert published == [0]
+    # the same for a batch a resume redoes (it keeps its checkpointed version, v3 here)
+    pool.slots, driver.redo = [], [5]
+    driver.flow.running.clear()  # (batch 1 above: done)
+    driver.resumed = SimpleNamespace(versions={5: 3}, prompts_of=lambda batch: ["p"] * 2)
+    driver._tick()
+    assert published == [0, 3]
+    assert given[-1] == (5, [7, 8])
 
 
 @pytest.fixture
@@ -351,3 +360,89 @@ def test_a_worker_killed_in_an_evaluation_is_replaced_before_its_retry_and_only_
         [(_, redone)] = driver.rollouts.shards.items()
         assert redone.slot is new
         assert redone.attempts == 2
+
+
+def test_a_worker_killed_as_hung_is_replaced_even_if_its_evaluation_ended_just_before(
+    clock, monkeypatch
+):
+    # Between the hung check's look (not done) and the kill, the evaluation ended: its report
+    # came back fine, and the killed worker stayed in the pool (a broadcast would then include
+    # the dead member and stop the run).
+    pool = _Pool(2)
+    a, _ = pool.slots
+    driver = _driver_with(pool, broadcasts=False)
+    driver.evaluations.start(0, SimpleNamespace(version=0))
+    [ref] = driver.evaluations.refs
+    driver.evaluations.check_hung(5, 6.0)
+    assert clock.killed == ["worker 0"]
+    step, report = driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)})
+    assert (step, report.accuracy) == (0, 1.0)  # recorded
+    assert a not in pool.slots
+    assert len(pool.slots) == 2
+
+
+def test_whichever_failure_comes_first_a_dead_worker_is_replaced_once(clock, monkeypatch):
+    # Non-broadcast, one worker killed in an evaluation with two lock-step parts queued
+    # behind it (batches 1 and 2): handled in the order part, evaluation, part. The first
+    # part's redo replaces it; the evaluation's retry and the second part go to the new
+    # worker; no second one starts (each part's redo used to start one).
+    import ray
+
+    pool = _Pool(1)
+    [a] = pool.slots
+    driver = _driver_with(pool, broadcasts=False)
+    driver.evaluations.start(0, SimpleNamespace(version=0))
+    [ref] = driver.evaluations.refs
+    driver.rollouts.start([a], 1, SimpleNamespace(version=0), ["p1"])
+    driver.rollouts.start([a], 2, SimpleNamespace(version=0), ["p2"])
+    first, second = driver.rollouts.shards
+    driver.evaluations.check_hung(5, 6.0)
+    monkeypatch.setattr(ray, "get", _died)
+    assert driver.rollouts.finished(first) is None
+    [new] = pool.slots
+    assert driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)}) == (0, None)
+    assert driver.rollouts.finished(second) is None
+    assert pool.slots == [new]
+    assert [s.slot for s in driver.rollouts.shards.values()] == [new, new]
+    assert [slot for _, _, slot in driver.evaluations.running] == [new]
+
+
+@pytest.mark.parametrize("broadcasts", [False, True])
+def test_a_retiring_worker_lost_in_an_evaluation_is_not_replaced(clock, monkeypatch, broadcasts):
+    # It was going anyway (here still holding a part queued behind the evaluation): a new
+    # worker for it would grow the pool past the count asked for.
+    import ray
+
+    pool = _Pool(2)
+    a, b = pool.slots
+    pool.drop = lambda slot: pool.slots.remove(slot)
+    b.retiring = True
+    driver = _driver_with(pool, broadcasts=broadcasts)
+    driver.evaluations.running.append((b.call("an evaluation"), 0, b))
+    driver.rollouts.start([b], 1, SimpleNamespace(version=0), ["p1"])
+    driver.evaluations.check_hung(5, 6.0)
+    assert clock.killed == ["worker 1"]
+    monkeypatch.setattr(ray, "get", _died)
+    driver.evaluations.finished("an evaluation", {0: SimpleNamespace(version=0)})
+    assert pool.slots == [a, b]  # not replaced (its part still to fail)
+    assert [slot for _, _, slot in driver.evaluations.running] == [a]  # the retry
+    [part] = driver.rollouts.shards
+    assert driver.rollouts.finished(part) is None  # redone elsewhere
+    assert [s.index for s in pool.active] == [0]  # still one active worker
+    assert driver._deferred_workers is None
+
+
+def test_no_worker_is_replaced_once_the_run_is_draining(clock, monkeypatch):
+    # At the stop, a worker that died in an evaluation got a new worker (an engine started)
+    # that the stop killed at once.
+    import ray
+
+    pool = _Pool(1)
+    [a] = pool.slots
+    driver = _driver_with(pool, broadcasts=False)
+    driver._draining = True
+    driver.evaluations.start(0, SimpleNamespace(version=0))
+    [ref] = driver.evaluations.refs
+    monkeypatch.setattr(ray, "get", _died)
+    driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)})
+    assert pool.slots == [a]
