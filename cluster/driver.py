@@ -68,6 +68,8 @@ class Driver(CheckpointMixin):
     progress: Any = None  # cluster.progress.Progress or None
     counts: Counts = field(default_factory=Counts)
     resume: bool = False  # continue the run in `rundir` from its last checkpoint
+    # in _drain: a worker lost is forgotten (broadcast methods) but not replaced (not a field)
+    _draining = False
 
     def __post_init__(self) -> None:
         self.schedule = Schedule(self.cfg)
@@ -97,7 +99,6 @@ class Driver(CheckpointMixin):
         self.services = Services(self.cfg, self.rundir, self.address)
         self.metrics: Any = None  # MetricsWriter, once started
         self._deferred_workers: int | None = None
-        self._draining = False  # in _drain: a worker lost is not replaced any more
         self.redo: list[int] = []  # batches running at the checkpoint a resume started from
         self.resumed: Resume | None = None
         self.faults: list[dict[str, Any]] = []  # what failed, when, how long recovery took
@@ -601,12 +602,14 @@ class Driver(CheckpointMixin):
         member and stop the run); other methods replace it now, and a batch part queued on
         it fails and is redone on a live worker (Rollouts._failed). One retiring, or dropped
         or replaced already, is not replaced (again)."""
-        if slot not in self.pool.active or getattr(self, "_draining", False):
+        if slot not in self.pool.active:
             return
         if self.sync.broadcasts:
             logger.warning("rollout worker %d died in an evaluation: replacing it at the next "
                            "publish", slot.index)  # fmt: skip
             self._lose_worker(slot)
+            return
+        if self._draining:  # (every worker is stopped next: no new engine for nothing)
             return
         logger.warning("rollout worker %d died in an evaluation: replacing it", slot.index)
         self.pool.replace(slot)
@@ -717,6 +720,8 @@ class Driver(CheckpointMixin):
         """Broadcast methods: a worker was lost (its part is redone on another, Rollouts); a
         new one joins at the next publish, as one `staleflow scale` adds, unless a scale is
         pending already (its count stands)."""
+        if self._draining:  # the run stops: the lost worker is forgotten, none joins
+            return
         pending = self._deferred_workers
         self._scale_at_next_publish(len(self.pool.active) + 1 if pending is None else pending)
 

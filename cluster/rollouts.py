@@ -102,11 +102,30 @@ class Rollouts:
             self._failed(shard, exc)
             return None
         self.pool.ended(shard.slot, ref)  # a retiring worker with nothing left is removed
+        if shard.hung:  # killed just as it ended: the part counts, the worker is gone
+            self._killed_after_its_end(shard.slot)
         self._open[shard.batch] -= 1
         complete = self._open[shard.batch] == 0
         if complete:
             del self._open[shard.batch]
         return shard, report, complete
+
+    def _killed_after_its_end(self, slot: Any) -> None:
+        """`check_hung` killed `slot`'s worker while its part was ending: replace it as a
+        dead one (broadcast methods: forget it, a new one joins at the next publish, which
+        would otherwise include the dead member and fail). Calls queued on it fail and are
+        redone as any other's (`_failed`)."""
+        if slot not in self.pool.slots:
+            return
+        logger.warning("rollout worker %d was killed as hung as its batch part ended: "
+                       "replacing it", slot.index)  # fmt: skip
+        if self.broadcasts:
+            self.pool.drop(slot)
+            if not slot.retiring:
+                self.on_lost()
+            return
+        retiring = slot.retiring
+        self.pool.replace(slot).retiring = retiring
 
     def _failed(self, shard: Shard, exc: BaseException) -> None:
         """A worker died, hung or raised: replace it (unless it was replaced already) and

@@ -446,3 +446,49 @@ def test_no_worker_is_replaced_once_the_run_is_draining(clock, monkeypatch):
     monkeypatch.setattr(ray, "get", _died)
     driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)})
     assert pool.slots == [a]
+
+
+@pytest.mark.parametrize("broadcasts", [False, True])
+def test_a_worker_killed_as_its_part_ended_is_replaced(clock, broadcasts):
+    # The hung check saw the part running and killed the worker, which had just finished
+    # it: the part came back fine and the dead worker stayed in the pool (its next call
+    # failed; under a broadcast method the next publish included the dead member).
+    from staleflow.cluster.rollouts import Rollouts
+
+    pool = _Pool(2)
+    a, b = pool.slots
+    pool.drop = lambda slot: pool.slots.remove(slot)
+    lost = []
+    rollouts = Rollouts(parse_config(ASYNC), pool, broadcasts, "resume",
+                        lambda error, batch: None, lambda: lost.append(True))  # fmt: skip
+    rollouts.start([a], 1, SimpleNamespace(version=0), ["p1", "p2"])
+    [part] = rollouts.shards
+    clock.t = 6.0
+    rollouts.check_hung()
+    assert clock.killed == ["worker 0"]
+    _shard, _report, complete = rollouts.finished(part)  # its report came back all the same
+    assert complete
+    assert a not in pool.slots
+    if broadcasts:
+        assert (pool.slots, lost) == ([b], [True])  # a new one joins at the next publish
+    else:
+        assert len(pool.slots) == 2
+        assert lost == []
+
+
+def test_a_broadcast_member_lost_while_draining_is_forgotten_but_not_replaced(clock, monkeypatch):
+    # At the stop no new engine starts, but the dead member must leave the pool: a publish
+    # in the drain (the step in flight) would otherwise broadcast to it and fail the stop.
+    import ray
+
+    pool = _Pool(2)
+    _a, b = pool.slots
+    pool.drop = lambda slot: pool.slots.remove(slot)
+    driver = _driver_with(pool, broadcasts=True)
+    driver._draining = True
+    driver.evaluations.start(0, SimpleNamespace(version=0))
+    [ref] = driver.evaluations.refs
+    monkeypatch.setattr(ray, "get", _died)
+    driver.evaluations.finished(ref, {0: SimpleNamespace(version=0)})
+    assert pool.slots == [b]
+    assert driver._deferred_workers is None  # no replacement due
