@@ -43,10 +43,8 @@ class Evaluations:
         import ray
 
         for ref, step, slot in self.running:
-            ran = slot.running_for(ref, now)
-            if ref in self._hung or ran <= limit:
-                continue
-            if ray.wait([ref], timeout=0)[0]:  # done, not handled yet: not hung
+            ran = None if ref in self._hung else slot.overdue(ref, limit, now)
+            if ran is None:
                 continue
             logger.warning(
                 "rollout worker %d: the evaluation of step %d has run %.0f s "

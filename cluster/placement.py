@@ -300,6 +300,15 @@ class WorkerSlot:
         call): what rollout.batch_timeout_s bounds, for a part or an evaluation."""
         return now - self.head_since if self.queue and self.queue[0] == ref else 0.0
 
+    def overdue(self, ref: Any, limit: float, now: float) -> float | None:
+        """The seconds the call `ref` has run, if over `limit` and it is not done (a call
+        done but not handled yet is not hung); else None. `Rollouts.check_hung` and
+        `Evaluations.check_hung` kill the worker of such a call."""
+        ran = self.running_for(ref, now)
+        if ran <= limit or ray.wait([ref], timeout=0)[0]:
+            return None
+        return ran
+
 
 @dataclass
 class WorkerPool:
@@ -419,9 +428,12 @@ class WorkerPool:
             self.slots.remove(slot)
 
     def replace(self, slot: WorkerSlot) -> WorkerSlot:
-        """A new worker in place of a dead (or hung) one, which is killed."""
+        """A new worker in place of a dead (or hung) one, which is killed. It retires if that
+        one was retiring (it takes over its calls, and goes when they end)."""
         self.drop(slot)
-        return self.add()
+        new = self.add()
+        new.retiring = slot.retiring
+        return new
 
 
 @dataclass

@@ -124,8 +124,7 @@ class Rollouts:
             if not slot.retiring:
                 self.on_lost()
             return
-        retiring = slot.retiring
-        self.pool.replace(slot).retiring = retiring
+        self.pool.replace(slot)
 
     def _failed(self, shard: Shard, exc: BaseException) -> None:
         """A worker died, hung or raised: replace it (unless it was replaced already) and
@@ -154,9 +153,7 @@ class Rollouts:
         if shard.slot in self.pool.slots:
             logger.warning("%s %s; replacing it and redoing its %d prompt(s)", where, what,
                            len(shard.prompts))  # fmt: skip
-            retiring = shard.slot.retiring
             shard.slot = self.pool.replace(shard.slot)
-            shard.slot.retiring = retiring
         else:  # replaced already (it died in a call ahead of this part): not once more
             shard.slot = min(self.pool.active, key=lambda s: (len(s.queue), s.idle_since))
             logger.warning("%s %s; it was replaced already: redoing its %d prompt(s) on rollout "
@@ -209,10 +206,8 @@ class Rollouts:
         limit = self.cfg.rollout.batch_timeout_s
         now = time.monotonic()
         for ref, shard in self.shards.items():
-            ran = shard.slot.running_for(ref, now)
-            if shard.hung or ran <= limit:
-                continue
-            if ray.wait([ref], timeout=0)[0]:  # done, not handled yet: not hung
+            ran = None if shard.hung else shard.slot.overdue(ref, limit, now)
+            if ran is None:
                 continue
             logger.warning(
                 "rollout worker %d: batch %d has run %.0f s (rollout.batch_timeout_s=%g): "
