@@ -1,5 +1,6 @@
 """bench/buffer.py runs end to end on a few small rounds and prints every figure the README
-quotes from it (the ratios, the push's breakdown, the server's time per call)."""
+quotes from it (the ratios, the push beside raw XADD with encoding, the push's breakdown, the
+server's time per call)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def test_the_buffer_bench_prints_its_ratios_and_the_push_breakdown():
         "no read-ahead",
     ]  # fmt: skip
     assert all(float(r) > 0 for _, r in ratios)
+    # the push beside raw redis-py that encodes each group with the same codec first
+    assert re.search(r"^  the same, encoding included\s+\d+\s+[\d.]+$", out, re.M)
+    encoded = re.search(r"raw XADD that also encodes each group, same codec: ([\d.]+)x", out)
+    assert encoded is not None
+    assert float(encoded[1]) > 0
     breakdown = out.split("where a push's time goes", 1)[1]
     rows = dict(re.findall(r"^  (\S.*?)\s+([\d.]+)$", breakdown, re.M))
     assert list(rows) == [
