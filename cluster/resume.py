@@ -102,7 +102,9 @@ def driver_state(driver: Any, trained: int) -> dict[str, Any]:
 
 def save_old_weights(driver: Any, checkpoint: Path) -> None:
     """The published versions older than the step that a batch may still need, into the
-    checkpoint (a resumed learner can only publish its own step's weights)."""
+    checkpoint (a resumed learner can only publish its own step's weights). Durable before it
+    returns, directory entries included: the caller then moves LATEST and acks the groups."""
+    from staleflow.learner import durable
     from staleflow.learner.publish import CheckpointPublisher
 
     old = sorted(versions_to_keep(driver.schedule, driver.flow))
@@ -126,6 +128,11 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
             publisher.publish(dict(driver.published[version].arrays()), version)
     if shared:
         driver.learner.save_shared(shared, str(checkpoint / "weights"))
+    # Each file is fsynced, not its new name nor `weights/` in the checkpoint: on power loss
+    # after LATEST and the acks, the checkpoint could come back without them, and the run
+    # could not be resumed from it nor, its groups acked, from an older one.
+    durable.fsync_dir(checkpoint / "weights")
+    durable.fsync_dir(checkpoint)
 
 
 class CheckpointMixin:

@@ -316,6 +316,42 @@ def test_an_async_checkpoint_keeps_no_older_weights_and_is_not_skipped(caplog):
     assert "no checkpoint at step 5" not in caplog.text
 
 
+def test_the_older_weights_a_checkpoint_keeps_are_durable_names_included(tmp_path, monkeypatch):
+    # Lock-step I = 1, O = 2 at step 3: batches 4 and 5 still use v1 and v2, so the checkpoint
+    # keeps both. Each file was fsynced, but not checkpoint/weights/ (their names) nor the
+    # checkpoint directory (the entry of weights/): on power loss after LATEST moved and the
+    # groups were acked, the checkpoint could come back without them, and no resume was left.
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from staleflow.cluster.resume import save_old_weights
+    from staleflow.cluster.schedule import Flow, Schedule
+    from staleflow.learner import durable
+
+    synced: list[Path] = []
+    real = durable.fsync_dir
+
+    def fsync_dir(path):
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(durable, "fsync_dir", fsync_dir)
+    cfg = parse_config("model: {preset: tiny}\nrollout: {prompts_per_batch: 2}\n"
+                       "sync: {mode: lockstep, interval: 1, offset: 2, method: ray}\n")  # fmt: skip
+    flow = Flow(steps=3, batches=3, batches_done=3, published={1, 2, 3}, latest=3)
+    weights = {v: SimpleNamespace(arrays=lambda v=v: {"w": np.full(2, v, np.float32)})
+               for v in (1, 2, 3)}  # fmt: skip
+    driver = SimpleNamespace(schedule=Schedule(cfg), flow=flow, published=weights,
+                             sync=SimpleNamespace(broadcasts=False))  # fmt: skip
+    checkpoint = tmp_path / "step-000003"
+    checkpoint.mkdir()
+    save_old_weights(driver, checkpoint)
+    assert sorted(p.name for p in (checkpoint / "weights").glob("weights-v*")) == [
+        "weights-v00000001.safetensors", "weights-v00000002.safetensors"]  # fmt: skip
+    assert synced == [checkpoint / "weights", checkpoint]  # names first, then weights/ itself
+
+
 class _Pool:
     """The part of placement.WorkerPool the driver's publish wait uses."""
 
