@@ -210,17 +210,20 @@ class CheckpointMixin:
         except LearnerFailed as exc:
             raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
         stats = self.buffer.stats()  # (the load acked the checkpoint's groups if not yet)
-        if (stats.acked == 0 < r.counts.trained) or (stats.pushed == 0 < r.flow.pushed):
-            # an empty or another buffer: the groups pushed and not yet trained are gone, and
-            # a run that waits for them would wait for ever
+        if (stats.acked == 0 < r.counts.trained) or (stats.pushed < r.flow.pushed):
+            # an empty or another buffer, or one that lost its last writes: groups the
+            # checkpoint counts as pushed are gone, and a run that waits for them would wait
+            # for ever (a batch it counts as done is not redone)
             raise ResumeError(
                 f"the replay buffer has {stats.pushed} groups pushed and {stats.acked} "
                 f"trainings acknowledged, but {r.checkpoint or 'the run'} counts "
                 f"{r.flow.pushed} pushed and {r.counts.trained} trained: this is not the "
                 "run's buffer, or it lost its data (an embedded Redis whose files were "
                 "removed or a run with buffer.persistence: false; an external Redis restarted "
-                "without persistence, flushed, or another buffer.redis_url). Resume against "
-                "the run's own buffer, or start a new run"
+                "without persistence, flushed, or another buffer.redis_url; fewer pushed "
+                "than counted, a machine that went down within a second of the checkpoint: "
+                "Redis writes its log to disk once a second). Resume against the run's own "
+                "buffer, or start a new run"
             )
         if stats.acked < r.counts.trained:
             logger.warning(

@@ -854,9 +854,26 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     # run went on with counts that no buffer held
     import shutil
 
-    from staleflow.buffer.server import redis_dir
+    import redis
+
+    from staleflow.buffer.entries import RunKeys
+    from staleflow.buffer.server import RedisServer, redis_dir
 
     run.mark_latest_checkpoint(ckpt)
+    # a buffer that lost its last second of writes (the embedded Redis fsyncs its log once a
+    # second; a machine that went down just after the checkpoint): fewer groups pushed than
+    # the checkpoint counts, here its pushed counter set back by 2 as the lost pushes would
+    # leave it. Only an empty buffer was refused: this resume waited for groups that were
+    # gone, then failed as stalled, blaming duplicates or another run
+    with RedisServer(redis_dir(run.path), persistence=True) as server:
+        client = redis.Redis.from_url(server.url)
+        client.hincrby(RunKeys(run.key).stats, "pushed", -2)
+        client.close()
+    refused(
+        "the replay buffer has 6 groups pushed and 8 trainings acknowledged, but",
+        "counts 8 pushed and 8 trained: this is not the run's buffer, or it lost its data",
+        "fewer pushed than counted, a machine that went down within a second",
+    )
     shutil.rmtree(redis_dir(run.path))
     refused(
         "the replay buffer has 0 groups pushed and 0 trainings acknowledged, but",
