@@ -197,6 +197,13 @@ class CheckpointMixin:
         started = time.monotonic()
         old = r.check_old_weights(self.schedule, self.cfg.sync.method)
         acked = self.buffer.stats().acked
+        if acked and r.checkpoint is None:
+            raise ResumeError(
+                f"{self.rundir.path} has no checkpoint, but the buffer has acknowledged "
+                f"{acked} trainings: its groups were acked as they were trained "
+                "(run.checkpoint_every=0) or its checkpoints were removed, so it cannot be "
+                "resumed exactly; start a new run"
+            )
         if acked > r.counts.trained:  # what check_resumable cannot see without metrics.jsonl
             raise ResumeError(
                 f"the buffer has acknowledged {acked} trainings, but "
@@ -546,15 +553,15 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def load_resume(run: RunDir, cfg: Any) -> Resume:
     """Read the last checkpoint of `run` (or start from step 0 if it has none, which only
-    works when acks wait for checkpoints). `check_resumable` has passed; metrics.jsonl is cut
-    back to the checkpoint's step by `Resume.cut_metrics`, once the learner has loaded it."""
+    works if no group was acked yet: `_restore` asks the buffer). `check_resumable` has
+    passed; metrics.jsonl is cut back to the checkpoint's step by `Resume.cut_metrics`, once
+    the learner has loaded it."""
     path = resumable_checkpoint(run)
     if path is None:
-        if cfg.run.checkpoint_every == 0:
-            raise ResumeError(
-                f"{run.path} has no checkpoint, and with run.checkpoint_every=0 its groups "
-                "were acked as they were trained: it cannot be resumed exactly; start a new run"
-            )
+        # Not judged by cfg.run.checkpoint_every: that is the resume's (a resume may change
+        # it), not what the stopped run acked by. A run of checkpoint_every=10 stopped at
+        # step 5 was refused when resumed with 0; one of 0 resumed with 10 was let through
+        # and refused later for "a later checkpoint".
         res = Resume(None, 0, Flow(), Counts(), P=cfg.rollout.prompts_per_batch)
     else:
         state = _driver_state(path)

@@ -768,10 +768,14 @@ def test_resume_refuses_what_it_cannot_do(tmp_path):
     resume_overrides_allowed(["run.steps=20", "rollout.num_workers=4"])
     with pytest.raises(ResumeError, match=r"learner.optimizer.lr cannot change when a run"):
         resume_overrides_allowed(["learner.optimizer.lr=0.1"])
+    # A run with no checkpoint resumed with run.checkpoint_every=0 starts from step 0: the
+    # resume's value says nothing of how the stopped run acked (a run of 10 stopped at step 5
+    # was refused here); the buffer's count of acked trainings decides, once it is up (below,
+    # in test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_nothing)
     cfg = parse_config(TINY, ["run.checkpoint_every=0"])
     run = RunDir.create(str(tmp_path), "none")
-    with pytest.raises(ResumeError, match=r"has no checkpoint, and with run\.checkpoint_every=0"):
-        load_resume(run, cfg)
+    resumed = load_resume(run, cfg)
+    assert (resumed.checkpoint, resumed.step, resumed.flow.steps) == (None, 0, 0)
     cli = [sys.executable, "-m", "staleflow.cluster.cli", "train"]
     out = subprocess.run(
         [*cli, "--resume", str(tmp_path / "nowhere")], capture_output=True, text=True
@@ -848,6 +852,17 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     run.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
     run.mark_latest_checkpoint(run.checkpoints / "step-000002")
     refused("the buffer has acknowledged 8 trainings, but", "step-000002 counts 4")
+    # and with no checkpoint at all (removed here; or a run of run.checkpoint_every=0, whose
+    # groups were acked as trained, stopped before its final one): it named "a later
+    # checkpoint", and with checkpoint_every=0 in the resume's overrides it was refused
+    # before looking, even for a run that had acked nothing
+    (run.checkpoints / "LATEST").unlink()
+    run.checkpoints.rename(tmp_path / "checkpoints-aside")
+    run.checkpoints.mkdir()
+    refused("has no checkpoint, but the buffer has acknowledged 8 trainings: its groups were "
+            "acked as they were trained")  # fmt: skip
+    run.checkpoints.rmdir()
+    (tmp_path / "checkpoints-aside").rename(run.checkpoints)
 
     # a buffer that lost its data (here the embedded server's files are gone; a Redis
     # restarted empty alike): the groups pushed and not trained were gone, and the resumed
