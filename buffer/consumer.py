@@ -122,6 +122,8 @@ class Consumer:
                 if len(taken) < n and self.sampling == "replay":
                     replays, dropped = self._take_replays(n - len(taken), learner_version)
                     taken.extend(replays)
+                    for entry_id, _, _, token in replays:  # held from now, as above: the
+                        self._held_replays[entry_id] = str(token)  # reclaim skips them
                     stale += dropped
                     replays_dropped += dropped
                 # Keep going while short and either time remains or the last read found
@@ -152,9 +154,13 @@ class Consumer:
         return Taken(groups, receipts, stale, invalid, acked, replays_dropped)
 
     def _put_back(self, taken: list[_Entry]) -> None:
-        """Entries a take chose but did not hand out, back in the pool for the next take."""
+        """Entries a take chose but did not hand out, back in the pool for the next take;
+        replays no longer held, so a reclaim makes them replayable again after claim_idle_s
+        (held, every reclaim skipped them for the life of the process)."""
         for entry_id, version, fields, replay in taken:
-            if not replay:
+            if replay:
+                self._held_replays.pop(entry_id, None)
+            else:
                 self._held.discard(entry_id)
                 self._pool.setdefault(entry_id, (version, fields))
 
@@ -174,11 +180,11 @@ class Consumer:
             except RecordError as exc:
                 bad.append((entry_id, bool(replay), str(exc)))
                 self._held.discard(entry_id)  # dropped, not handed out
+                if replay:
+                    self._held_replays.pop(entry_id, None)
                 continue
             groups.append(group)
-            token = replay if isinstance(replay, str) else ""
-            if replay:
-                self._held_replays[entry_id] = token
+            token = replay if isinstance(replay, str) else ""  # (held since it was taken)
             receipts.append(Receipt(entry_id, version, bool(replay), token))
         return groups, receipts, bad
 

@@ -242,6 +242,31 @@ def test_a_take_waiting_for_more_never_hands_out_what_it_has_taken_twice(redis_u
     assert buffer.ack(taken.receipts) == 3
 
 
+def test_a_waiting_replay_take_never_hands_out_the_same_replay_twice(redis_url):
+    # The same for replays: one taken in a waiting take's first round was held only once
+    # decoded, after the wait. Its own reclaim, with the replay out past claim_idle_s, made it
+    # replayable again, and a later round took it again: X twice in one step, X's first
+    # receipt then acked nothing, and the hold left one group counted as held for good.
+    import threading
+
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=5, claim_idle_s=0.2)
+    buffer.push(group(prompt="X"))
+    assert buffer.ack(buffer.take(1, learner_version=0).receipts) == 1  # X replayable
+    buffer.push(group(prompt="Z"))
+    late = threading.Timer(0.8, lambda: buffer.push(group(prompt="Y")))  # wakes the wait
+    late.start()
+    # round 1 (t = 0): Z, read at once, then X as a replay; round 2 waits for Y (0.8 s);
+    # round 3 reclaims (X out for 0.8 s > claim_idle_s), waits till the deadline, and takes
+    # replays again: X came back here
+    taken = buffer.take(4, learner_version=0, timeout_s=2.0)
+    late.join()
+    assert sorted(g.prompt_id for g in taken.groups) == ["X", "Y", "Z"]
+    buffer.hold(len(taken.receipts))
+    assert buffer.ack(taken.receipts, held=True) == 3
+    stats = buffer.stats()
+    assert (stats.held, stats.acked, stats.reused, stats.replays_pending) == (0, 4, 1, 0)
+
+
 def test_an_ack_racing_a_reclaim_does_not_hand_the_acked_group_out_again(redis_url):
     # The learner's commit acks on one thread while the prefetch reclaims on another: an
     # entry XAUTOCLAIM returned just before the ack deleted it had left the held set by the
@@ -840,6 +865,34 @@ def test_a_take_that_fails_after_decoding_hands_nothing_out_and_loses_nothing(
     buffer.ack(third.receipts)
     stats = buffer.stats()
     assert (stats.acked, stats.length, stats.pending) == (4, 0, 0)
+
+
+def test_a_replay_in_a_take_that_fails_after_decoding_is_offered_again(redis_url, monkeypatch):
+    # The same failure with a replay: the take's fifo entries went back to the pool, but the
+    # replay stayed held by this consumer, so every reclaim skipped it and no take offered it
+    # again (until a restart's recover).
+    buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3, claim_idle_s=0.2)
+    buffer.push(group(prompt="X"))
+    assert buffer.ack(buffer.take(1, 0).receipts) == 1  # X replayable
+    real, calls = InFlight.replies, []
+
+    def unreadable(self):
+        calls.append(self.commands)
+        replies = real(self)
+        if len(calls) == 2:  # the read-ahead's, after X was taken as a replay and decoded
+            raise redis.InvalidResponse("injected: garbled reply")
+        return replies
+
+    monkeypatch.setattr(InFlight, "replies", unreadable)
+    with pytest.raises(BufferConnectionError, match="not in the Redis protocol"):
+        buffer.take(1, 0)
+    monkeypatch.setattr(InFlight, "replies", real)
+    time.sleep(0.3)  # out past claim_idle_s: the next take's reclaim makes it replayable
+    again = buffer.take(1, 0)
+    assert [g.prompt_id for g in again.groups] == ["X"]
+    assert buffer.ack(again.receipts) == 1
+    stats = buffer.stats()
+    assert (stats.acked, stats.reused, stats.replays_pending) == (2, 1, 0)
 
 
 def test_read_ahead_entries_meet_the_staleness_rule_when_handed_out(redis_url):
