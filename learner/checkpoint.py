@@ -82,14 +82,28 @@ def save_checkpoint(
                 else {}
             )
         skeleton: Any = None
-        if sharded:
-            tensors, shard = _flatten(learner.optimizer.state_dict())
-            save_file(tensors, tmp / f"optimizer-rank{rank}.safetensors")
-            (tmp / f"optimizer-rank{rank}.json").write_text(json.dumps(shard))
-        elif rank == 0:  # ZeRO 0: every rank holds the same state
-            tensors, skeleton = _flatten(learner.optimizer.state_dict())
-            save_file(tensors, tmp / "optimizer.safetensors")
-        _barrier(world)
+        failed: Exception | None = None
+        try:
+            if sharded:
+                tensors, shard = _flatten(learner.optimizer.state_dict())
+                save_file(tensors, tmp / f"optimizer-rank{rank}.safetensors")
+                (tmp / f"optimizer-rank{rank}.json").write_text(json.dumps(shard))
+            elif rank == 0:  # ZeRO 0: every rank holds the same state
+                tensors, skeleton = _flatten(learner.optimizer.state_dict())
+                save_file(tensors, tmp / "optimizer.safetensors")
+        except Exception as exc:  # (a full disk): every rank must still reach the count
+            failed = exc
+        # In place of a barrier: a rank whose write failed met rank 0 at its own barrier, and
+        # rank 0 went on to rename the checkpoint without that rank's optimizer shard.
+        failures = _failures(world, failed is not None, getattr(learner, "device", None))
+        if failed is not None:
+            raise failed
+        if failures:
+            raise CheckpointError(
+                f"{failures} of {world} learner ranks could not write their optimizer state "
+                f"into {tmp} (their errors are in their logs): checkpoint {path.name} is not "
+                "made, and the previous one stays the newest"
+            )
         if rank == 0:
             save_file(_untie(model), tmp / "model.safetensors")
             save_file({"torch_cpu": torch.get_rng_state()}, tmp / "rng.safetensors")
@@ -254,6 +268,18 @@ def _gathered(learner: Any, modify: bool) -> Any:
 
 def _rank(learner: Any) -> tuple[int, int]:
     return int(getattr(learner, "rank", 0)), int(getattr(learner, "world_size", 1))
+
+
+def _failures(world: int, failed: bool, device: Any) -> int:
+    """How many ranks say `failed`, summed over every rank (a collective: each must call
+    it). `device`: the rank's, as NCCL reduces CUDA tensors only."""
+    if world == 1:
+        return int(failed)
+    import torch.distributed as dist
+
+    count = torch.tensor([int(failed)], dtype=torch.int64, device=device)
+    dist.all_reduce(count)
+    return int(count.item())
 
 
 def _barrier(world: int) -> None:

@@ -137,6 +137,55 @@ def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage)
         assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6, abs=1e-9)
 
 
+def _save_fails_on_rank1(rank: int, port: int, data: list, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    import safetensors.torch
+
+    from staleflow.actors.models import tiny_model
+    from staleflow.learner.learner import Learner
+
+    model, tokenizer = tiny_model(0)
+    cfg = parse_config(CFG.replace("learner: {", "learner: {zero_stage: 1, "))
+    learner = Learner(cfg, model=model, tokenizer=tokenizer, rank=rank, world_size=2)
+    learner.step(data[0])
+    learner.save(f"{out_dir}/step-000001")  # a complete checkpoint first
+    learner.step(data[1])
+    if rank == 1:  # its disk fills up as it writes its optimizer partition
+        real = safetensors.torch.save_file
+
+        def full_disk(tensors, filename, *args, **kwargs):
+            if "optimizer-rank1" in str(filename):
+                raise OSError(28, "No space left on device")
+            return real(tensors, filename, *args, **kwargs)
+
+        safetensors.torch.save_file = full_disk
+    try:
+        learner.save(f"{out_dir}/step-000002")
+        outcome = "saved"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(f"{out_dir}/rank{rank}.txt", "w") as f:
+        f.write(outcome)
+    _leave()
+
+
+def test_a_checkpoint_a_rank_fails_to_write_is_not_made(tmp_path):
+    # Rank 1 failed writing its optimizer shard; its barrier (in the save's cleanup) met rank
+    # 0's after the shard writes, so rank 0 wrote the rest and renamed step-000002 into place
+    # without optimizer-rank1, then waited at its own last barrier for rank 1, gone: a damaged
+    # checkpoint on disk and a hung rank 0. Now the ranks count failures instead.
+    data = [sampled_groups(behaviour_seed=s, n=2) for s in (1, 2)]
+    assert _run_ranks(_save_fails_on_rank1, (data, str(tmp_path)), timeout_s=240) == [0, 0]
+    assert (tmp_path / "rank1.txt").read_text() == "OSError: [Errno 28] No space left on device"
+    rank0 = (tmp_path / "rank0.txt").read_text()
+    assert rank0.startswith("CheckpointError: 1 of 2 learner ranks could not write their")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001"]
+    assert "optimizer-rank1.safetensors" in {p.name for p in (tmp_path / "step-000001").iterdir()}
+
+
 def _group(name: str, prompt_len: int, response_lens: list[int]) -> Group:
     """A group with chosen lengths (token ids and behaviour log-probs made up, rewards
     1, 0, 1, ...), to control how sequences fall on the ranks."""
