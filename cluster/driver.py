@@ -755,7 +755,9 @@ class Driver(CheckpointMixin):
         from staleflow.cluster.resources import check_sync_method
 
         check_sync_method(self.cfg)
-        write_text(self.rundir.config, dump_redacted(self.cfg) + "\n")  # atomically
+        # atomically and durably: an empty config.json after a power cut, and the run could
+        # not be resumed ("not a staleflow run directory")
+        write_text(self.rundir.config, dump_redacted(self.cfg) + "\n", durable=True)
         # bad input fails here, before any server or process starts
         self.prompts = PromptStream(make_task(self.cfg.task).train_prompts())
         prepare_model(self.cfg.model)
@@ -874,7 +876,7 @@ class Driver(CheckpointMixin):
             if text is None:
                 path.unlink(missing_ok=True)
             else:
-                write_text(path, text)
+                write_text(path, text, durable=path == self.rundir.config)
         summary = {"status": status, "steps": step, "run_id": self.run_id,
                    "resume_abandoned": self.error or self.learner_failed or status}  # fmt: skip
         if status == "interrupted" and self.stop_signal is not None:

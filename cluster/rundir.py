@@ -63,11 +63,18 @@ def read_json_object(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def write_text(path: Path, text: str) -> None:
-    """Write atomically (a temporary file renamed over `path`)."""
+def write_text(path: Path, text: str, durable: bool = False) -> None:
+    """Write atomically (a temporary file renamed over `path`); `durable`: fsynced, file and
+    rename, so that a machine going down right after cannot leave it empty (what a run
+    cannot do without, config.json; not status.json, rewritten every few seconds)."""
+    from staleflow.learner.durable import replace_durably
+
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
     tmp.write_text(text)
-    os.replace(tmp, path)
+    if durable:
+        replace_durably(tmp, path)
+    else:
+        os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:

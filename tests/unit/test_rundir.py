@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +224,22 @@ def test_the_report_draws_evaluations_in_step_order(tmp_path, monkeypatch):
     write_report(run)
     assert [[0, 5, 10], [0.1, 0.5, 0.8]] in drawn  # accuracy against the step
     assert [[1 / 60, 20 / 60, 30 / 60], [0.1, 0.8, 0.5]] in drawn  # and against wall time
+
+
+def test_write_text_durable_fsyncs_the_file_then_its_directory(tmp_path, monkeypatch):
+    # The driver writes config.json, what a resume starts from, this way at every start (a
+    # resume's too): by a rename never fsynced, a machine going down just after could leave
+    # it empty, and the run refused as "not a staleflow run directory". status.json,
+    # rewritten every few seconds, stays without fsync.
+    from staleflow.cluster.rundir import write_text
+    from staleflow.learner import durable
+
+    synced: list[str] = []
+    monkeypatch.setattr(durable, "fsync_file", lambda p: synced.append(f"file {Path(p).name}"))
+    monkeypatch.setattr(durable, "fsync_dir", lambda p: synced.append(f"dir {Path(p).name}"))
+    write_text(tmp_path / "status.json", "{}\n")
+    assert synced == []
+    write_text(tmp_path / "config.json", '{"run": {}}\n', durable=True)
+    assert [s.split(".config.json.")[0] for s in synced] == ["file ", f"dir {tmp_path.name}"]
+    assert (tmp_path / "config.json").read_text() == '{"run": {}}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "status.json"]
