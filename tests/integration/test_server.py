@@ -184,3 +184,35 @@ def test_a_server_record_of_another_user_says_whose_it_is(tmp_path, monkeypatch)
     monkeypatch.setattr(Path, "read_text", refused)
     with pytest.raises(RedisServerError, match="readable only by the user who started the run"):
         read_server_url(tmp_path)
+
+
+def test_sync_log_writes_its_marker_under_appendfsync_always_then_restores_everysec(
+    tmp_path, monkeypatch
+):
+    # A checkpoint calls sync_log before LATEST: with appendfsync everysec the last second of
+    # pushes it counts could be lost with the machine. Redis replies to a write made under
+    # `always` only after fsyncing the append-only file, which holds every earlier write
+    # (strace on redis-server 7.0.15: an fdatasync before the reply). Here: the policy seen
+    # by another client while the marker is written, the policy after, and the marker in the
+    # log a restart replays.
+    with RedisServer(tmp_path / "redis", persistence=True) as server:
+        probe = redis.Redis.from_url(server.url)
+        seen: list[str] = []
+        real_set = redis.Redis.set
+
+        def set_and_look(self, name, value, *args, **kwargs):
+            seen.append(probe.config_get("appendfsync")["appendfsync"])
+            return real_set(self, name, value, *args, **kwargs)
+
+        monkeypatch.setattr(redis.Redis, "set", set_and_look)
+        assert server.sync_log("staleflow:r:checkpointed") is True
+        monkeypatch.setattr(redis.Redis, "set", real_set)
+        assert seen == ["always"]
+        assert probe.config_get("appendfsync")["appendfsync"] == "everysec"
+        probe.close()
+        server.kill()  # as a crash: the restart replays the append-only file
+        server.start()
+        assert redis.Redis.from_url(server.url).exists("staleflow:r:checkpointed") == 1
+    with RedisServer(tmp_path / "plain") as server:  # no persistence: no log, nothing done
+        assert server.sync_log("staleflow:r:checkpointed") is False
+        assert redis.Redis.from_url(server.url).exists("staleflow:r:checkpointed") == 0
