@@ -66,6 +66,7 @@ class BatchReport:
     load_s: float = 0.0  # loading new weights at this batch's boundary
     reward_errors: int = 0  # responses whose reward function raised (scored 0)
     node: str = ""  # the Ray node it ran on ("" outside Ray)
+    first_reward_error: str | None = None  # the first of them, quoted (prompt and error)
 
 
 class RewardError(RuntimeError):
@@ -273,7 +274,11 @@ class RolloutWorker:
                     group_id=batch_group_id(self.run_id, ids[0], ids[1] + i) if ids else None,
                 )
             )
-        self._check_reward_errors(errors, len(rewards), first_error)
+        # The limit is a batch's. A driver's part (`ids`) is judged against the whole batch's
+        # responses, and the driver adds the parts up (Rollouts.finished): judged against its
+        # own, whether a run stopped depended on how many workers shared the batch.
+        batch = rollout.prompts_per_batch * rollout.group_size if ids is not None else 0
+        self._check_reward_errors(errors, max(batch, len(rewards)), first_error)
         pushed = sum(self.buffer.push_many(groups)) if self.buffer is not None else 0
         tokens = sum(g.num_tokens for g in groups)
         return BatchReport(
@@ -291,6 +296,7 @@ class RolloutWorker:
             load_s=load_s,
             reward_errors=errors,
             node=_ray_node(),
+            first_reward_error=first_error,
         )
 
     def _reward_error(self, error: str, prompt: Prompt) -> str:

@@ -54,6 +54,8 @@ class Rollouts:
     on_lost: Callable[[], None] = lambda: None
     shards: dict[Any, Shard] = field(default_factory=dict)  # ref of the call -> its part
     _open: dict[int, int] = field(default_factory=dict)  # batch -> parts still running
+    # batch -> its finished parts' reward errors, responses and first error, added up
+    _rewards: dict[int, tuple[int, int, str | None]] = field(default_factory=dict)
 
     def start(
         self,
@@ -106,9 +108,30 @@ class Rollouts:
             self._killed_after_its_end(shard.slot)
         self._open[shard.batch] -= 1
         complete = self._open[shard.batch] == 0
+        errors, responses, first = self._rewards.pop(shard.batch, (0, 0, None))
+        errors, responses = errors + report.reward_errors, responses + report.responses
+        first = first or report.first_reward_error
         if complete:
             del self._open[shard.batch]
+            self._check_reward_errors(shard.batch, errors, responses, first)
+        else:
+            self._rewards[shard.batch] = (errors, responses, first)
         return shard, report, complete
+
+    def _check_reward_errors(
+        self, batch: int, errors: int, responses: int, first: str | None
+    ) -> None:
+        """RewardError when the reward function failed for more than task.max_reward_errors
+        of the batch's responses, all its parts together (each worker checks only its part
+        against the whole batch: actors.worker.RolloutWorker.run_batch)."""
+        from staleflow.actors.worker import RewardError
+
+        limit = self.cfg.task.max_reward_errors
+        if errors and errors > limit * responses:
+            raise RewardError(
+                f"batch {batch}: the reward function failed for {errors} of its {responses} "
+                f"responses (task.max_reward_errors={limit:g}); the first error:\n{first}"
+            )
 
     def _killed_after_its_end(self, slot: Any) -> None:
         """`check_hung` killed `slot`'s worker while its part was ending: replace it as a

@@ -123,8 +123,9 @@ class TaskConfig(Frozen):
         le=1.0,
         description="Fraction of a batch's (or an evaluation's) responses whose reward "
         "function may fail (raise, or return no finite number: text such as '1.0' included; "
-        "each scored 0 and counted) before the run stops with the first error (an evaluation "
-        "past it is skipped, with the error in driver.log).",
+        "each scored 0 and counted) before the run stops with the first error; a batch split "
+        "over workers counts all its parts together (an evaluation past it is skipped, with "
+        "the error in driver.log).",
     )
 
     @field_validator("name")

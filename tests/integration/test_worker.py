@@ -215,6 +215,26 @@ def test_reward_errors_are_counted_logged_once_and_stop_the_batch_past_the_limit
         strict.run_batch(policy_version=0)
 
 
+def test_a_part_of_a_drivers_batch_is_judged_against_the_whole_batch(tmp_path, monkeypatch):
+    from staleflow.actors.worker import RewardError
+
+    # A batch of 4 prompts x 5 responses, limit 0.25: 5 failures of its 20 are allowed. A
+    # part of one prompt failing for all 5 of its responses stopped the run (5 > 0.25 * 5)
+    # when two or more workers shared the batch; now it goes on, and the driver adds the
+    # parts up (Rollouts.finished). A part that alone has more than the batch may stop it.
+    body = """
+        def fn(meta, text):
+            raise KeyError("answer")
+        """
+    worker = _custom_worker(tmp_path, monkeypatch, body, "task.max_reward_errors=0.25")
+    report = worker.run_batch(0, worker.next_prompts(1), ids=(1, 0))
+    assert (report.reward_errors, report.responses) == (5, 5)
+    assert report.first_reward_error is not None
+    assert "KeyError: 'answer'" in report.first_reward_error
+    with pytest.raises(RewardError, match=r"failed for 10 of 20 responses"):
+        worker.run_batch(0, worker.next_prompts(2), ids=(1, 1))
+
+
 def test_a_batch_quotes_its_own_first_reward_error(tmp_path, monkeypatch):
     from staleflow.actors.worker import RewardError
 

@@ -173,8 +173,44 @@ def clock(monkeypatch):
     monkeypatch.setattr(placement_module, "time", fake)
     monkeypatch.setattr(ray, "kill", lambda handle: now.killed.append(handle))
     monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([r for r in refs if r in now.done], []))
-    monkeypatch.setattr(ray, "get", lambda ref: SimpleNamespace(policy_version=0, accuracy=1.0))
+    monkeypatch.setattr(ray, "get", lambda ref: now.reports.get(ref, _REPORT))
+    now.reports = {}  # a call's report, if not _REPORT
     return now
+
+
+# what a part or an evaluation reports, unless a test says otherwise (`clock.reports`)
+_REPORT = SimpleNamespace(policy_version=0, accuracy=1.0, reward_errors=0, responses=8,
+                          first_reward_error=None)  # fmt: skip
+
+
+@pytest.mark.parametrize(("errors", "stops"), [((2, 2), False), ((3, 2), True), ((0, 5), True)])
+def test_the_reward_error_limit_is_the_whole_batchs_whatever_its_parts(clock, errors, stops):
+    # Each worker judged only its own part: with a limit of 0.25 and a batch of 16 responses
+    # in two parts of 8, 5 failures split 3 + 2 went on (3/8, 2/8), split 0 + 5 stopped the
+    # run (5/8), and in one part of 16 went on: whether a run stopped depended on how the
+    # batch was split. Now the parts add up: 2 + 2 = 4 <= 0.25 * 16 goes on; 3 + 2 and
+    # 0 + 5 stop, once the batch's last part is in.
+    from staleflow.actors.worker import RewardError
+    from staleflow.cluster.rollouts import Rollouts
+
+    pool = _Pool(2)
+    cfg = parse_config(ASYNC, ["task.max_reward_errors=0.25"])
+    rollouts = Rollouts(cfg, pool, False, "resume", lambda error, batch: None)
+    rollouts.start(pool.slots, 1, SimpleNamespace(version=0), ["p1", "p2"])
+    first, last = rollouts.shards
+    for ref, n in zip((first, last), errors, strict=True):
+        clock.reports[ref] = SimpleNamespace(
+            policy_version=0, reward_errors=n, responses=8,
+            first_reward_error=f"prompt {ref}: KeyError" if n else None,
+        )  # fmt: skip
+    assert rollouts.finished(first)[2] is False  # the batch is not complete: no verdict yet
+    if not stops:
+        assert rollouts.finished(last)[2] is True
+        return
+    which = "call 0" if errors[0] else "call 1"
+    with pytest.raises(RewardError, match=rf"(?s)batch 1: the reward function failed for "
+                       rf"5 of its 16 responses.*prompt {which}: KeyError"):  # fmt: skip
+        rollouts.finished(last)
 
 
 def test_a_part_queued_behind_an_evaluation_starts_its_hung_clock_when_that_ends(clock):
