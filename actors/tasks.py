@@ -561,13 +561,15 @@ class CustomTask:
     def score(self, prompt: Prompt, response: str) -> Score:
         try:  # a copy all the way down: a function changing it would change later rewards
             value = self.reward_fn(copy.deepcopy(prompt.metadata), response)
-        except Exception:  # a reward error, not a failed parse: the worker counts and logs it
+        except (Exception, SystemExit):  # a reward error, not a failed parse: the worker
+            # counts and logs it. SystemExit too (a grader calling sys.exit or argparse):
+            # uncaught, it ended the worker's process, and each replacement the same way
             return Score(0.0, parsed=False, error=traceback.format_exc(limit=-3))
         try:  # a number (bool, numpy and 0-d tensors too); text is no reward, even "1.0"
             if isinstance(value, str | bytes):
                 raise TypeError
             reward = float(value)
-        except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float
+        except Exception:  # (OverflowError: an int past a float; any from its __float__)
             return Score(
                 0.0, parsed=False,
                 error=f"the reward function returned {value!r:.80} ({type(value).__name__}), "

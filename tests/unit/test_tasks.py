@@ -211,6 +211,18 @@ def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch
 
             def huge(meta, response):
                 return 10**400  # an int no float holds: OverflowError, not a worker fault
+
+            def exits(meta, response):  # a grader that parses argv, or calls sys.exit
+                import argparse
+                argparse.ArgumentParser().add_argument("--k", type=int)
+                raise SystemExit(2)
+
+            class Odd:
+                def __float__(self):
+                    raise RuntimeError("no float here")
+
+            def odd(meta, response):
+                return Odd()
             """
         )
     )
@@ -218,7 +230,7 @@ def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi", "seen": {"n": 0},
                                               "answer": None}])  # fmt: skip
     made = {fn: CustomTask(str(path), f"odd_rewards:{fn}", eval_fraction=0)
-            for fn in ("text", "counting", "numpy_bool", "huge")}  # fmt: skip
+            for fn in ("text", "counting", "numpy_bool", "huge", "exits", "odd")}  # fmt: skip
     prompt = made["text"].train[0]
     assert prompt.answer == ""  # null: no answer, not the text 'None'
     score = made["text"].score(prompt, "x")
@@ -232,6 +244,15 @@ def test_what_a_custom_reward_function_returns_and_changes(tmp_path, monkeypatch
     assert "returned 1000000000" in huge.error
     assert "(int), not a number" in huge.error
     assert made["numpy_bool"].score(prompt, "").reward == 1.0
+    # scored 0 and counted, like any failure: SystemExit ended the worker's process, and a
+    # __float__ raising anything but TypeError/ValueError failed its batch (a fault, redone
+    # on a new worker rollout.max_restarts times before the run stopped)
+    exits = made["exits"].score(prompt, "x")
+    assert (exits.reward, exits.parsed) == (0.0, False)
+    assert "SystemExit: 2" in exits.error
+    odd = made["odd"].score(prompt, "x")
+    assert (odd.reward, odd.parsed) == (0.0, False)
+    assert "(Odd), not a number" in odd.error
     sys.modules.pop("odd_rewards", None)
 
 
