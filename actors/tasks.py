@@ -514,7 +514,10 @@ class ReasoningGymTask:
             reward = float(data.score_answer(answer=lines[-1], entry=prompt.metadata["entry"]))
         except Exception:  # a dataset's scorer choking on odd text is a failed parse
             return Score(0.0, parsed=False)
-        return Score(reward if math.isfinite(reward) else 0.0, parsed=True, extracted=lines[-1])
+        if not math.isfinite(reward):  # its fault, not the text's: counted as a reward error
+            # (it was scored 0 as a parsed answer, with nothing in any count)
+            return Score(0.0, parsed=False, error=f"score_answer returned {reward}")
+        return Score(reward, parsed=True, extracted=lines[-1])
 
 
 # ----------------------------------------------------------------------------- custom

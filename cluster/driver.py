@@ -357,7 +357,8 @@ class Driver(CheckpointMixin):
             policy_version=report.policy_version, groups=report.groups, pushed=report.pushed,
             reward_mean=report.reward_mean, tokens_per_s=report.tokens_per_s,
             generate_s=report.generate_s, load_s=report.load_s,
-            reward_errors=report.reward_errors, node=report.node,
+            parse_failures=report.parse_failures, reward_errors=report.reward_errors,
+            node=report.node,
         )  # fmt: skip
 
     def _on_fault(self, error: str, batch: int) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from staleflow.actors.tasks import make_task
 from staleflow.cluster.rundir import read_metrics
@@ -372,6 +373,12 @@ def test_tiny_config_learns_and_leaves_a_complete_run_directory(tmp_path):
         assert f"#### `{record['kind']}`" in reference, record["kind"]
         for field in record:
             assert f"`{field}`" in reference, (record["kind"], field)
+    # a part's unreadable answers are in its record (only evaluations had them: a task whose
+    # scorer failed on every response trained on zeros with nothing in the rollout metrics)
+    rollouts = [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == "rollout"]
+    assert rollouts
+    k = yaml.safe_load((REPO / "configs/tiny.yaml").read_text())["rollout"]["group_size"]
+    assert all(0 <= r["parse_failures"] <= r["groups"] * k for r in rollouts)
     html = (run / "report.html").read_text()
     for name in ("reward", "accuracy", "lag", "clip_kl", "throughput", "busy", "timeline"):
         png = run / "plots" / f"{name}.png"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import sys
 import textwrap
@@ -362,6 +363,26 @@ def test_reasoning_gym_task_scores_with_the_datasets_own_scorer():
     held_out = task.eval_prompts(3)
     assert all(p.prompt_id.startswith("reasoning_gym:basic_arithmetic:eval:") for p in held_out)
     assert task.score(held_out[0], held_out[0].answer).reward == 1.0
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_a_reasoning_gym_scorer_giving_no_finite_number_is_a_reward_error(monkeypatch, value):
+    # It was scored 0 as a parsed answer: in no count, so a scorer broken for every response
+    # trained on zeros without a word. A scorer that raises stays a failed parse.
+    cfg = parse_config("model: {preset: tiny}\ntask: {name: 'reasoning_gym:basic_arithmetic'}\n")
+    task = make_task(cfg.task)
+    prompt = next(task.train_prompts())
+    monkeypatch.setattr(task.train, "score_answer", lambda answer, entry: value)
+    score = task.score(prompt, f"Working...\n{prompt.answer}")
+    assert (score.reward, score.parsed) == (0.0, False)
+    assert score.error == f"score_answer returned {value}"
+
+    def raises(answer, entry):
+        raise ValueError("odd text")
+
+    monkeypatch.setattr(task.train, "score_answer", raises)
+    score = task.score(prompt, "Working...\nnot a number")
+    assert (score.reward, score.parsed, score.error) == (0.0, False, None)
 
 
 def test_reasoning_gym_unknown_dataset():
