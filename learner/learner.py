@@ -224,6 +224,8 @@ class Learner:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=_ds_config(cfg)
         )
         self.engine.eval()  # no dropout (see the module docstring)
+        if type(self.engine.optimizer).__name__ == "FP16_UnfusedOptimizer":
+            _forget_deepspeeds_first_step(self.engine.optimizer)
         # The policy version is the number of batches trained (`step` calls): one counter for
         # the whole system. `mini_batches` and `epochs` act inside a step; the optimizer steps
         # they take are counted apart (docs/architecture.md, "One version counter").
@@ -523,6 +525,21 @@ def _all_reduce_metrics(
     deepspeed.comm.all_reduce(bounds, op=ReduceOp.MIN)
     low, high = bounds[0].item(), -bounds[1].item()
     return out, ({"ratio_min": low, "ratio_max": high} if math.isfinite(low) else {})
+
+
+def _forget_deepspeeds_first_step(wrapped: Any) -> None:
+    """DeepSpeed's optimizer for bf16 at ZeRO 0 (FP16_UnfusedOptimizer, DeepSpeed 0.19) makes
+    its state by one optimizer step on zero gradients when built. AdamW's step count then
+    started at 1, so every bias correction was one step late (the first update 0.744x of
+    fp32's and ZeRO 1-3's at the default betas, the gap fading over ~10 steps), and weight
+    decay shrank the fp32 master weights once before any training. The state is dropped
+    (AdamW makes it at its first real step) and the master weights are copied again from the
+    model's, as DeepSpeed made them."""
+    wrapped.optimizer.state.clear()
+    with torch.no_grad():
+        for masters, params in zip(wrapped.fp32_groups, wrapped.fp16_groups, strict=True):
+            for master, param in zip(masters, params, strict=True):
+                master.copy_(param.float())
 
 
 def _all_reduce_sum(value: float, device: torch.device) -> float:

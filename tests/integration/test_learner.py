@@ -297,6 +297,38 @@ def test_bfloat16_learner_syncs_int16_views_that_engines_load_exactly():
         assert torch.equal(engine.model.state_dict()[name], p), name
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bfloat16_takes_a_first_adam_step_of_lr_at_every_zero_stage(stage):
+    # At ZeRO 0, DeepSpeed's bf16 optimizer made its state by one step on zero gradients:
+    # AdamW's step count began at 1, and weight decay shrank the fp32 master weights once.
+    # By hand, Adam's first update of an element is lr * g / (|g| + eps) = lr for |g| >> eps
+    # (m = 0.1 g, v = 0.001 g^2, both bias-corrected by 1 - beta^1); one step late it was
+    # lr * (0.1 / 0.19) / sqrt(0.001 / 0.001999) = 0.744 lr. ZeRO 2 was right.
+    from staleflow.actors.models import load_model
+
+    cfg = parse_config(
+        f"model: {{preset: tiny, dtype: bfloat16}}\nrollout: {{temperature: 0.9}}\n"
+        f"learner: {{zero_stage: {stage}, optimizer: {{lr: 1.0e-3, weight_decay: 0.1}}, "
+        "loss: {name: rec-oneside-is}}\n"  # (clipping scales g, and g / |g| not at all)
+    )
+    model, tokenizer = load_model(cfg.model)
+    learner = Learner(cfg, model=model, tokenizer=tokenizer)
+    wrapped = learner.engine.optimizer
+
+    def masters() -> torch.Tensor:
+        groups = getattr(wrapped, "fp32_groups", None) or [wrapped.single_partition_of_fp32_groups]
+        return torch.cat([p.detach().flatten().clone() for g in groups for p in g])
+
+    before = masters()
+    weights = torch.cat([p.detach().float().flatten() for p in learner.model.parameters()])
+    if stage == 0:  # the masters are the model's weights, not decayed once already
+        assert torch.equal(before, weights)
+    learner.step(sampled_groups(behaviour_seed=2))
+    moved = (masters() - before).abs()
+    # (weight decay adds lr * 0.1 * |w| <= 1e-4 * 0.2 to an element: under the tolerance)
+    assert moved[moved > 0].median().item() == pytest.approx(1.0e-3, rel=0.01)
+
+
 def test_evaluate_loss_includes_the_reference_kl_term():
     cfg = parse_config(
         "model: {preset: tiny}\nrollout: {temperature: 0.9}\n"
