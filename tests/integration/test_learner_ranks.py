@@ -42,11 +42,16 @@ def _leave() -> None:
     os._exit(0)
 
 
-def _rank(rank: int, port: int, groups: list, out_dir: str) -> None:
+def _as_rank(rank: int, port: int) -> None:
+    """This process as rank `rank` of two (gloo, rank 0 listening on `port`)."""
     os.environ.update(
         RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
+
+
+def _rank(rank: int, port: int, groups: list, out_dir: str) -> None:
+    _as_rank(rank, port)
     from staleflow.actors.models import tiny_model
     from staleflow.learner.learner import Learner
 
@@ -94,10 +99,7 @@ def _sharded_rank(rank: int, port: int, stage: int, data: list, out_dir: str) ->
     """Two steps, a checkpoint (every rank writes its optimizer partition), two more steps;
     then a learner built from other weights loads the checkpoint and takes the same two."""
 
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    _as_rank(rank, port)
     from staleflow.actors.models import tiny_model
     from staleflow.learner.learner import Learner
 
@@ -138,10 +140,7 @@ def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage)
 
 
 def _save_fails_on_rank1(rank: int, port: int, data: list, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    _as_rank(rank, port)
     import safetensors.torch
 
     from staleflow.actors.models import tiny_model
@@ -209,10 +208,7 @@ LONE = [_group("lone", 6, [5])]
 
 
 def _uneven_rank(rank: int, port: int, cfg_text: str, groups: list, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
+    _as_rank(rank, port)
     from staleflow.actors.models import tiny_model
     from staleflow.learner.learner import Learner
 
