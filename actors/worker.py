@@ -278,7 +278,7 @@ class RolloutWorker:
         # responses, and the driver adds the parts up (Rollouts.finished): judged against its
         # own, whether a run stopped depended on how many workers shared the batch.
         batch = rollout.prompts_per_batch * rollout.group_size if ids is not None else 0
-        self._check_reward_errors(errors, max(batch, len(rewards)), first_error)
+        self._check_reward_errors(errors, len(rewards), first_error, batch)
         pushed = sum(self.buffer.push_many(groups)) if self.buffer is not None else 0
         tokens = sum(g.num_tokens for g in groups)
         return BatchReport(
@@ -311,15 +311,24 @@ class RolloutWorker:
             )  # fmt: skip
         return described
 
-    def _check_reward_errors(self, errors: int, responses: int, first: str | None) -> None:
+    def _check_reward_errors(
+        self, errors: int, responses: int, first: str | None, batch: int = 0
+    ) -> None:
         """RewardError when the reward function failed for more than task.max_reward_errors
-        of a batch's (or an evaluation's) responses, quoting its first failure there."""
+        of a batch's (or an evaluation's) responses, quoting its first failure there. `batch`:
+        the responses of the driver's batch these are a part of (0: these are all of it)."""
         limit = self.cfg.task.max_reward_errors
-        if errors and errors > limit * responses:
-            raise RewardError(
-                f"{self.worker_id}: the reward function failed for {errors} of {responses} "
-                f"responses (task.max_reward_errors={limit:g}); the first error:\n{first}"
-            )
+        if not errors or errors <= limit * max(batch, responses):
+            return
+        whole = (
+            f" (a part of a batch of {batch}, whose limit that already passes)"
+            if batch > responses
+            else ""
+        )
+        raise RewardError(
+            f"{self.worker_id}: the reward function failed for {errors} of {responses} "
+            f"responses{whole} (task.max_reward_errors={limit:g}); the first error:\n{first}"
+        )
 
     def evaluate(
         self, n_prompts: int | None = None, temperature: float | None = None, weights: Any = None

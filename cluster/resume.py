@@ -200,14 +200,20 @@ class CheckpointMixin:
         server = self.services.redis
         if server is None:
             return
+        risk = ("if this machine goes down within a second, a resume may find pushes "
+                "missing and refuse")  # fmt: skip
         try:
-            server.sync_log(self.buffer.keys.prefix + "checkpointed")
+            synced = server.sync_log(self.buffer.keys.prefix + "checkpointed")
         except redis.RedisError as exc:
             logger.warning(
-                "checkpoint at step %d: the buffer's log could not be made durable now (%s); "
-                "if this machine goes down within a second, a resume may find pushes missing "
-                "and refuse", self.step, exc,
+                "checkpoint at step %d: the buffer's log could not be made durable now (%s), "
+                "and Redis may go on fsyncing every write (appendfsync always) until a later "
+                "checkpoint sets it back; %s", self.step, exc, risk,
             )  # fmt: skip
+            return
+        if not synced and self.cfg.buffer.persistence:  # (without, there is no log to sync)
+            logger.warning("checkpoint at step %d: the embedded Redis is not running, so its "
+                           "log was not made durable now; %s", self.step, risk)  # fmt: skip
 
     def _restore(self: Any, r: Resume) -> None:
         """Continue from the checkpoint `r`: the learner loads it and gets back the groups

@@ -75,15 +75,15 @@ def save_checkpoint(
         tmp.mkdir()
     _barrier(world)
     try:
-        with _gathered(learner, modify=False):  # a collective under ZeRO 3: every rank
-            model = (
-                {k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()}
-                if rank == 0
-                else {}
-            )
         skeleton: Any = None
+        model: dict[str, torch.Tensor] = {}
         failed: Exception | None = None
-        try:
+        try:  # whatever fails here, every rank must still reach the count below
+            with _gathered(learner, modify=False):  # a collective under ZeRO 3: every rank
+                if rank == 0:
+                    model = {
+                        k: v.detach().cpu().clone() for k, v in learner.model.state_dict().items()
+                    }
             if sharded:
                 tensors, shard = _flatten(learner.optimizer.state_dict())
                 save_file(tensors, tmp / f"optimizer-rank{rank}.safetensors")
@@ -91,7 +91,7 @@ def save_checkpoint(
             elif rank == 0:  # ZeRO 0: every rank holds the same state
                 tensors, skeleton = _flatten(learner.optimizer.state_dict())
                 save_file(tensors, tmp / "optimizer.safetensors")
-        except Exception as exc:  # (a full disk): every rank must still reach the count
+        except Exception as exc:  # (a full disk, no memory for the copy)
             failed = exc
         # In place of a barrier: a rank whose write failed met rank 0 at its own barrier, and
         # rank 0 went on to rename the checkpoint without that rank's optimizer shard.
@@ -100,9 +100,9 @@ def save_checkpoint(
             raise failed
         if failures:
             raise CheckpointError(
-                f"{failures} of {world} learner ranks could not write their optimizer state "
-                f"into {tmp} (their errors are in their logs): checkpoint {path.name} is not "
-                "made, and the previous one stays the newest"
+                f"{failures} of {world} learner ranks could not write their part of the "
+                f"checkpoint into {tmp} (their errors are in their logs): checkpoint "
+                f"{path.name} is not made, and the previous one stays the newest"
             )
         if rank == 0:
             save_file(_untie(model), tmp / "model.safetensors")

@@ -139,7 +139,7 @@ def test_sharded_zero_checkpoint_over_two_ranks_resumes_exactly(tmp_path, stage)
         assert got["resumed"] == pytest.approx(got["straight"], rel=1e-6, abs=1e-9)
 
 
-def _save_fails_on_rank1(rank: int, port: int, data: list, out_dir: str) -> None:
+def _save_fails(rank: int, port: int, data: list, out_dir: str, failing: int) -> None:
     _as_rank(rank, port)
     import safetensors.torch
 
@@ -152,7 +152,13 @@ def _save_fails_on_rank1(rank: int, port: int, data: list, out_dir: str) -> None
     learner.step(data[0])
     learner.save(f"{out_dir}/step-000001")  # a complete checkpoint first
     learner.step(data[1])
-    if rank == 1:  # its disk fills up as it writes its optimizer partition
+    if rank == failing == 0:  # no memory for rank 0's copy of the weights
+
+        def no_memory(*args, **kwargs):
+            raise MemoryError("no room for a copy of the weights")
+
+        learner.model.state_dict = no_memory
+    elif rank == failing:  # its disk fills up as it writes its optimizer partition
         real = safetensors.torch.save_file
 
         def full_disk(tensors, filename, *args, **kwargs):
@@ -171,16 +177,22 @@ def _save_fails_on_rank1(rank: int, port: int, data: list, out_dir: str) -> None
     _leave()
 
 
-def test_a_checkpoint_a_rank_fails_to_write_is_not_made(tmp_path):
+@pytest.mark.parametrize("failing", [1, 0])
+def test_a_checkpoint_a_rank_fails_to_write_is_not_made(tmp_path, failing):
     # Rank 1 failed writing its optimizer shard; its barrier (in the save's cleanup) met rank
     # 0's after the shard writes, so rank 0 wrote the rest and renamed step-000002 into place
     # without optimizer-rank1, then waited at its own last barrier for rank 1, gone: a damaged
-    # checkpoint on disk and a hung rank 0. Now the ranks count failures instead.
+    # checkpoint on disk and a hung rank 0. Now the ranks count failures instead, and a rank
+    # failing before the count (rank 0 copying the weights) still reaches it: the first fix
+    # left that out, and both ranks waited for ever, one in the count, one in the cleanup.
     data = [sampled_groups(behaviour_seed=s, n=2) for s in (1, 2)]
-    assert _run_ranks(_save_fails_on_rank1, (data, str(tmp_path)), timeout_s=240) == [0, 0]
-    assert (tmp_path / "rank1.txt").read_text() == "OSError: [Errno 28] No space left on device"
-    rank0 = (tmp_path / "rank0.txt").read_text()
-    assert rank0.startswith("CheckpointError: 1 of 2 learner ranks could not write their")
+    args = (data, str(tmp_path), failing)
+    assert _run_ranks(_save_fails, args, timeout_s=240) == [0, 0]
+    own = (tmp_path / f"rank{failing}.txt").read_text()
+    assert own == ("OSError: [Errno 28] No space left on device" if failing else
+                   "MemoryError: no room for a copy of the weights")  # fmt: skip
+    other = (tmp_path / f"rank{1 - failing}.txt").read_text()
+    assert other.startswith("CheckpointError: 1 of 2 learner ranks could not write their part")
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-000001"]
     assert "optimizer-rank1.safetensors" in {p.name for p in (tmp_path / "step-000001").iterdir()}
 

@@ -352,6 +352,41 @@ def test_the_older_weights_a_checkpoint_keeps_are_durable_names_included(tmp_pat
     assert synced == [checkpoint / "weights", checkpoint]  # names first, then weights/ itself
 
 
+@pytest.mark.parametrize("outcome", ["synced", "not running", "failed"])
+def test_a_checkpoint_says_when_the_buffers_log_was_not_made_durable(caplog, outcome):
+    # The embedded Redis's log is fsynced before LATEST names a checkpoint (sync_log). When
+    # it could not be (the server just died, or a CONFIG SET timed out, which may also leave
+    # it fsyncing every write), the run went on without a word, while the docs and a resume's
+    # refusal point at the log's warning.
+    from types import SimpleNamespace
+
+    import redis
+
+    from staleflow.cluster.resume import CheckpointMixin
+
+    def sync_log(marker):
+        assert marker == "staleflow:r:checkpointed"
+        if outcome == "failed":
+            raise redis.TimeoutError("Timeout reading from socket")
+        return outcome == "synced"
+
+    driver = SimpleNamespace(
+        step=7, services=SimpleNamespace(redis=SimpleNamespace(sync_log=sync_log)),
+        buffer=SimpleNamespace(keys=SimpleNamespace(prefix="staleflow:r:")),
+        cfg=SimpleNamespace(buffer=SimpleNamespace(persistence=True)),
+    )  # fmt: skip
+    with caplog.at_level("WARNING"):
+        CheckpointMixin._sync_buffer_log(driver)
+    said = {
+        "synced": "",
+        "not running": "checkpoint at step 7: the embedded Redis is not running",
+        "failed": "could not be made durable now (Timeout reading from socket), and Redis may "
+        "go on fsyncing every write (appendfsync always)",
+    }[outcome]
+    assert said in caplog.text
+    assert ("may find pushes missing" in caplog.text) == (outcome != "synced")
+
+
 class _Pool:
     """The part of placement.WorkerPool the driver's publish wait uses."""
 
