@@ -270,7 +270,7 @@ def test_a_redone_batch_counts_the_groups_of_its_parts_once():
         shard = SimpleNamespace(batch=3, failed_at=None, slot=SimpleNamespace(index=0))
         report = SimpleNamespace(groups=1, pushed=1, generate_s=0.0, load_s=0.0,
                                  policy_version=1, reward_mean=0.0, tokens_per_s=0.0,
-                                 reward_errors=0, node="n")  # fmt: skip
+                                 parse_failures=0, reward_errors=0, node="n")  # fmt: skip
         driver.rollouts.finished = lambda ref: (shard, report, complete)
         Driver._on_batch_done(driver, "ref")
 
