@@ -74,6 +74,27 @@ class RewardError(RuntimeError):
     allows: the run stops (redoing the batch would fail the same way)."""
 
 
+def check_reward_errors(
+    who: str, limit: float, errors: int, responses: int, first: str | None, batch: int = 0
+) -> None:
+    """RewardError when the reward function failed for more than `limit`
+    (task.max_reward_errors) of a batch's (or an evaluation's) responses, quoting its first
+    failure there. `batch`: the responses of the driver's batch these are a part of (0: these
+    are all of it). The worker checks its part with it, the driver the batch's parts added
+    up (cluster.rollouts.Rollouts.finished)."""
+    if not errors or errors <= limit * max(batch, responses):
+        return
+    whole = (
+        f" (a part of a batch of {batch}, whose limit that already passes)"
+        if batch > responses
+        else ""
+    )
+    raise RewardError(
+        f"{who}: the reward function failed for {errors} of {responses} "
+        f"responses{whole} (task.max_reward_errors={limit:g}); the first error:\n{first}"
+    )
+
+
 @dataclass(frozen=True)
 class EvalReport:
     """Held-out accuracy: the fraction of responses the task scores correct (Score.is_correct:
@@ -314,20 +335,9 @@ class RolloutWorker:
     def _check_reward_errors(
         self, errors: int, responses: int, first: str | None, batch: int = 0
     ) -> None:
-        """RewardError when the reward function failed for more than task.max_reward_errors
-        of a batch's (or an evaluation's) responses, quoting its first failure there. `batch`:
-        the responses of the driver's batch these are a part of (0: these are all of it)."""
-        limit = self.cfg.task.max_reward_errors
-        if not errors or errors <= limit * max(batch, responses):
-            return
-        whole = (
-            f" (a part of a batch of {batch}, whose limit that already passes)"
-            if batch > responses
-            else ""
-        )
-        raise RewardError(
-            f"{self.worker_id}: the reward function failed for {errors} of {responses} "
-            f"responses{whole} (task.max_reward_errors={limit:g}); the first error:\n{first}"
+        """`check_reward_errors` for this worker's batch part or evaluation."""
+        check_reward_errors(
+            self.worker_id, self.cfg.task.max_reward_errors, errors, responses, first, batch
         )
 
     def evaluate(

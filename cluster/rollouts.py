@@ -113,25 +113,14 @@ class Rollouts:
         first = first or report.first_reward_error
         if complete:
             del self._open[shard.batch]
-            self._check_reward_errors(shard.batch, errors, responses, first)
+            from staleflow.actors.worker import check_reward_errors
+
+            # the batch's parts together (each worker checked its own against the batch)
+            check_reward_errors(f"batch {shard.batch}", self.cfg.task.max_reward_errors,
+                                errors, responses, first)  # fmt: skip
         else:
             self._rewards[shard.batch] = (errors, responses, first)
         return shard, report, complete
-
-    def _check_reward_errors(
-        self, batch: int, errors: int, responses: int, first: str | None
-    ) -> None:
-        """RewardError when the reward function failed for more than task.max_reward_errors
-        of the batch's responses, all its parts together (each worker checks only its part
-        against the whole batch: actors.worker.RolloutWorker.run_batch)."""
-        from staleflow.actors.worker import RewardError
-
-        limit = self.cfg.task.max_reward_errors
-        if errors and errors > limit * responses:
-            raise RewardError(
-                f"batch {batch}: the reward function failed for {errors} of its {responses} "
-                f"responses (task.max_reward_errors={limit:g}); the first error:\n{first}"
-            )
 
     def _killed_after_its_end(self, slot: Any) -> None:
         """`check_hung` killed `slot`'s worker while its part was ending: replace it as a

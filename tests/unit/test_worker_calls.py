@@ -209,7 +209,7 @@ def test_the_reward_error_limit_is_the_whole_batchs_whatever_its_parts(clock, er
         return
     which = "call 0" if errors[0] else "call 1"
     with pytest.raises(RewardError, match=rf"(?s)batch 1: the reward function failed for "
-                       rf"5 of its 16 responses.*prompt {which}: KeyError"):  # fmt: skip
+                       rf"5 of 16 responses \(task.*prompt {which}: KeyError"):  # fmt: skip
         rollouts.finished(last)
 
 
