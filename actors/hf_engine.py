@@ -137,10 +137,11 @@ class HFEngine:
         which no batch or evaluation may use (a bad first array changes nothing)."""
 
         def copying() -> Iterator[tuple[str, Any]]:
-            for i, item in enumerate(as_named_arrays(weights)):
-                if i == 1:  # asked for the second: the first was copied
-                    self._version = -1
+            for item in as_named_arrays(weights):
                 yield item
+                # Asked for the next: this one was copied. Before that next is made: making
+                # it can fail too (a bucket fetched or opened after the first one's arrays).
+                self._version = -1
 
         load_named_arrays(self._params, copying())
         self._version = version

@@ -95,6 +95,29 @@ def test_a_load_that_fails_partway_leaves_no_version_to_sample_or_evaluate_with(
     assert worker.version == 1
 
 
+def test_a_load_whose_second_array_cannot_be_made_leaves_no_version():
+    # An update whose arrays come bucket by bucket (ray, ipc, broadcast) fails while making
+    # the second bucket's first array, after the first bucket's one array was copied in (a
+    # first tensor larger than sync.bucket_mb is alone in its bucket). The version was set
+    # to -1 only once that second array was handed over, so the engine kept saying v0 over
+    # v1's embedding: a v0 batch ran on the mix, tagged v0.
+    cfg = parse_config(CONFIG)
+    worker = RolloutWorker(cfg, run_id="run")
+    new = tiny_weights(seed=3)
+    first = next(iter(new))
+
+    def buckets():
+        yield first, new[first]
+        raise OSError("fetching bucket 2 failed")
+
+    with pytest.raises(OSError, match="bucket 2"):
+        worker.load_weights(buckets(), version=1)
+    assert np.array_equal(worker.engine._params[first].detach().numpy(), new[first])
+    assert worker.version == -1
+    with pytest.raises(VersionMismatchError, match="has policy version -1 loaded"):
+        worker.run_batch(policy_version=0)
+
+
 def test_evaluate_reports_held_out_accuracy():
     cfg = parse_config(CONFIG)
     worker = RolloutWorker(cfg, run_id="run")
