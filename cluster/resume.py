@@ -117,6 +117,9 @@ def save_old_weights(driver: Any, checkpoint: Path) -> None:
             driver.step, old, driver.cfg.sync.method,
         )  # fmt: skip
         return
+    # Those held: a resumed run was checked for the versions its own steps need; one that
+    # lengthened the run may not hold every version a further lengthening would need.
+    old = [v for v in old if v in driver.published]
     from staleflow.learner.ipc import SharedWeights
 
     # ipc: learner rank 0 writes the versions it shares; a resumed run's older ones came
@@ -305,17 +308,28 @@ def versions_to_keep(schedule: Any, flow: Flow) -> set[int]:
     return versions_in_use(schedule, flow) if schedule.lockstep else set()
 
 
-def versions_in_use(schedule: Any, flow: Flow) -> set[int]:
+def versions_in_use(schedule: Any, flow: Flow, *, through: int | None = None) -> set[int]:
     """Versions older than `flow.steps` that batches running or still to start are generated
-    with: in lock-step every coming batch whose version is already published (even past
-    run.steps: a resume may lengthen the run), e.g. with I=1, O=3 at step 8 the next three
-    batches use v5, v6 and v7."""
+    with: in lock-step each coming batch's up to batch `through`. By default that is twice
+    run.steps: a resume may lengthen the run, and what its next batches use is kept, e.g.
+    with I=1, O=3 at step 8 of 8 the next three batches use v5, v6 and v7. Not further: with
+    an offset past the run's length (the offline preset, sync.offset=1000000) every batch of
+    the run uses v0, and looking on to the batches after the offset kept every version the
+    run published, in memory and in each checkpoint. A resume needs them `through` its own
+    run.steps (Resume.check_old_weights): the batches it makes."""
     from staleflow.cluster.schedule import rollout_version
 
     needed = {v for v, _ in flow.running.values()}
     if schedule.lockstep:
+        last = 2 * schedule.cfg.run.steps if through is None else through
         batch = flow.batches + 1
-        while (version := rollout_version(batch, schedule.I, schedule.O)) < flow.steps:
+        if batch <= min(schedule.O + 1, last):  # batches up to O + 1 all use v0: not one by one
+            needed.add(0)
+            batch = schedule.O + 2
+        while batch <= last:
+            version = rollout_version(batch, schedule.I, schedule.O)
+            if version >= flow.steps:
+                break
             needed.add(version)
             batch += 1
     return {v for v in needed if 0 <= v < flow.steps}
@@ -382,7 +396,7 @@ class Resume:
         """The older versions the checkpoint kept (`old_weights`); raises ResumeError if the
         schedule still needs one it did not keep: a coming lock-step batch's or a redone
         one's (async redoes batches with the newest version)."""
-        needed = versions_in_use(schedule, self.flow)
+        needed = versions_in_use(schedule, self.flow, through=schedule.cfg.run.steps)
         if schedule.lockstep:
             needed |= {v for v in self.versions.values() if v < self.step}
         old = self.old_weights()

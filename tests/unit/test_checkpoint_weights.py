@@ -79,3 +79,32 @@ def test_drops_made_after_the_checkpoint_count_on_resume():
     stats = type("Stats", (), {"dropped_stale": 5, "dropped_invalid": 1})()
     assert counts.catch_up_drops(stats) == 4
     assert (counts.trained, counts.dropped_stale, counts.dropped_invalid) == (10, 5, 1)
+
+
+def test_an_offset_past_the_run_keeps_only_the_version_its_batches_use():
+    # The offline preset (sync.offset=1000000, I=1): every batch of a 160-step run uses v0.
+    # Looking ahead to the batches after the offset (for a resume that lengthens the run)
+    # counted v0..v159 as needed: every version stayed published (~3 GB each for a 1.5B
+    # model) and went into every checkpoint. Now the look-ahead ends at twice run.steps.
+    from staleflow.cluster.resume import versions_in_use, versions_to_keep
+
+    s = schedule("sync.offset=1000000", "run.steps=160")
+    end = Flow(steps=160, batches=160, batches_done=160)
+    assert versions_in_use(s, end) == {0}
+    assert versions_to_keep(s, Flow(steps=50, batches=51, running={51: (0, 2)})) == {0}
+    # I=1, O=3 as before: past the run's 8 steps, batches 9-11 use v5-v7 (kept for a resume
+    # that lengthens the run), and batch 12 uses v8, the newest
+    assert versions_in_use(schedule("run.steps=8"), Flow(steps=8, batches=8)) == {5, 6, 7}
+    # an offset just past the run: 2 x 8 batches look ahead; batches 12-16 use v1-v5
+    assert versions_in_use(schedule("sync.offset=10", "run.steps=8"), Flow(steps=8, batches=8)
+                           ) == {0, 1, 2, 3, 4, 5}  # fmt: skip
+
+
+def test_a_resume_needs_the_versions_of_the_batches_it_makes(tmp_path):
+    # O=10, a checkpoint at step 8 holding v0: resumed to 11 steps, batches 9-11 use v0 and
+    # it goes on; the look-ahead past the run's end asked for v0-v7 (batches up to 18 at
+    # offset 10), refusing it. Resumed to 14 steps, batches 12-14 use v1-v3: refused.
+    r = checkpoint_at_step_8(tmp_path, kept=[0])
+    assert sorted(r.check_old_weights(schedule("sync.offset=10", "run.steps=11"), "ray")) == [0]
+    with pytest.raises(ResumeError, match=r"v\[1, 2, 3\]"):
+        r.check_old_weights(schedule("sync.offset=10", "run.steps=14"), "ray")

@@ -558,3 +558,30 @@ def test_a_worker_that_died_in_an_evaluation_is_replaced_at_the_next_broadcast(m
     driver._worker_lost_in_evaluation(a)  # told again (another call on it failing)
     assert pool.dropped == [0]
     assert driver._deferred_workers == 2  # still one replacement
+
+
+def test_a_checkpoint_writes_the_older_versions_it_holds(tmp_path):
+    # A run resumed to more steps was checked for the versions its own batches use, not for
+    # those a further lengthening would (I=1, O=10 at step 8 of 8: batches 12-16 would use
+    # v1-v5). It holds v0 alone; its checkpoint failed with a KeyError on v1.
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from staleflow.cluster.resume import save_old_weights, versions_to_keep
+    from staleflow.cluster.schedule import Flow, Schedule
+
+    sync = "sync: {mode: lockstep, interval: 1, offset: 10}"
+    cfg = parse_config(f"model: {{preset: tiny}}\nrollout: {{prompts_per_batch: 2}}\n"
+                       f"run: {{steps: 8}}\n{sync}\n")  # fmt: skip
+    flow = Flow(steps=8, batches=8, batches_done=8, published={0, 8}, latest=8)
+    weights = {v: SimpleNamespace(arrays=lambda v=v: {"w": np.full(2, v, np.float32)})
+               for v in (0, 8)}  # fmt: skip
+    driver = SimpleNamespace(schedule=Schedule(cfg), flow=flow, published=weights,
+                             sync=SimpleNamespace(broadcasts=False))  # fmt: skip
+    assert versions_to_keep(driver.schedule, flow) == {0, 1, 2, 3, 4, 5}
+    checkpoint = tmp_path / "step-000008"
+    checkpoint.mkdir()
+    save_old_weights(driver, checkpoint)
+    assert [p.name for p in (checkpoint / "weights").glob("weights-v*")] == [
+        "weights-v00000000.safetensors"]  # fmt: skip
