@@ -214,16 +214,20 @@ class CheckpointPublisher:
         self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"weights-v{version:08d}.safetensors"
         tmp = self.directory / f".{final.name}.{uuid.uuid4().hex[:8]}"
+        latest_tmp = self.directory / f".LATEST.{uuid.uuid4().hex[:8]}"
+        existed = final.exists()  # (a version published again: its file is not ours to remove)
         try:
             save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
                       metadata={"version": str(version)})  # fmt: skip
             _fsync_rename(tmp, final)
-        except BaseException:  # a full disk: no partial file left to fill it further
+            latest_tmp.write_text(json.dumps({"version": version, "file": final.name}))
+            _fsync_rename(latest_tmp, self.directory / "LATEST")
+        except BaseException:  # a full disk: no file left to fill it further, none unnamed
             tmp.unlink(missing_ok=True)
+            latest_tmp.unlink(missing_ok=True)
+            if not existed:  # no handle is returned: nothing would ever discard it
+                final.unlink(missing_ok=True)
             raise
-        latest_tmp = self.directory / f".LATEST.{uuid.uuid4().hex[:8]}"
-        latest_tmp.write_text(json.dumps({"version": version, "file": final.name}))
-        _fsync_rename(latest_tmp, self.directory / "LATEST")
         if self.keep is not None:
             for old in sorted(self.directory.glob("weights-v*.safetensors"))[: -self.keep]:
                 old.unlink(missing_ok=True)

@@ -183,6 +183,25 @@ def test_checkpoint_publisher_is_versioned_and_atomic(tmp_path, monkeypatch):
     assert version == 3
     assert all(np.array_equal(arrays[k], second[k]) for k in second)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == files  # no partial
+    monkeypatch.undo()
+
+    # ... and one whose weights are whole but whose LATEST cannot be written leaves neither
+    # the weights (no handle is returned: nothing would discard them) nor a half LATEST
+    from pathlib import Path
+
+    write_text = Path.write_text
+
+    def latest_full(self, data, *args, **kwargs):
+        if self.name.startswith(".LATEST."):
+            write_text(self, data[:3])
+            raise OSError(28, "No space left on device")
+        return write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", latest_full)
+    with pytest.raises(OSError, match="No space left"):
+        publisher.publish(second, version=4)
+    assert read_published(tmp_path / "weights")[0] == 3
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == files
 
 
 def test_reading_before_anything_was_published(tmp_path):
