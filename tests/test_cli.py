@@ -580,7 +580,7 @@ def test_damaged_run_files_get_messages_not_tracebacks(tmp_path):
     run.status.write_text(json.dumps({"state": "running", "driver": {}}))  # no host, no pid
     out = staleflow("scale", str(run.path), "--workers", "3", "--timeout", "0")
     assert out.returncode == 2
-    assert "did not confirm 3 workers within 0 s; the request stays in" in out.stderr
+    assert "did not take the request for 3 workers within 0 s; it stays in" in out.stderr
     assert "Traceback" not in out.stderr
     for damaged in ('{"status": "compl', "[]", '{"groups": 3}'):  # torn; no object; odd
         run.summary.write_text(damaged)

@@ -32,16 +32,35 @@ def test_metrics_are_flushed_per_line_and_a_torn_last_line_is_skipped(tmp_path):
     assert records[1]["accuracy"] == 0.25
 
 
-def test_worker_requests_are_taken_once_and_bad_ones_ignored(tmp_path):
+def test_worker_requests_are_taken_once_and_bad_ones_refused(tmp_path):
     run = RunDir.create(str(tmp_path), "r")
     assert run.take_worker_request() is None
     run.request_workers(3)
     assert run.take_worker_request() == 3
     assert run.take_worker_request() is None  # consumed
-    (run.control / "scale.json").write_text(json.dumps({"workers": 0}))
-    assert run.take_worker_request() is None
-    (run.control / "scale.json").write_text("{not json")
-    assert run.take_worker_request() is None
+    # a bad one is removed (it was read again at every poll) and refused, saying what is
+    # wrong; a list, a number or bytes that are not UTF-8 raised in the driver's loop
+    for bad, why in [
+        (json.dumps({"workers": 0}), "from 1 to 1024, got 0"),
+        (json.dumps({"workers": 3.0}), "from 1 to 1024, got 3.0"),
+        (json.dumps({"workers": True}), "from 1 to 1024, got True"),
+        (json.dumps({"workers": 100_000_000}), "from 1 to 1024, got 100000000"),
+        ("{not json", "not a JSON object"),
+        ("[3]", "not a JSON object"),
+        ("3", "not a JSON object"),
+        (b'{"workers": 2}\xff', "not a JSON object"),
+    ]:
+        path = run.control / "scale.json"
+        path.write_bytes(bad if isinstance(bad, bytes) else bad.encode())
+        assert run.take_worker_request() is None
+        assert not path.exists()
+        refused = json.loads((run.control / "scale-refused.json").read_text())
+        assert why in refused["reason"], (bad, refused)
+    # one no driver took (its run stopped first) is dropped by a resume, its count said
+    run.request_workers(5)
+    assert run.drop_worker_request() == 5
+    assert not (run.control / "scale.json").exists()
+    assert run.drop_worker_request() is None
 
 
 def test_run_keys_tell_same_named_runs_apart_and_survive_a_move(tmp_path):
@@ -139,8 +158,33 @@ def test_scale_refuses_to_grow_an_ipc_run_past_the_workers_it_reserved(tmp_path,
     assert not (run.control / "scale.json").exists()
     # down is fine: the request is written (and, with no driver here, not confirmed)
     assert main(["scale", str(run.path), "--workers", "1", "--timeout", "0"]) == 2
-    assert "did not confirm 1 workers" in capsys.readouterr().err
+    assert "did not take the request for 1 workers within 0 s; it stays in" in (
+        capsys.readouterr().err
+    )
     assert run.take_worker_request() == 1
+
+
+def test_scale_says_a_broadcast_run_changes_workers_at_its_next_publish(tmp_path, capsys):
+    # With nccl/gloo the driver takes the request and defers it to the next publish; the
+    # timeout said "the request stays in control/ and is applied at the driver's next
+    # event", neither of which was true.
+    import threading
+
+    from staleflow.configs import parse_config
+    from staleflow.configs.loader import dump_config
+
+    run = RunDir.create(str(tmp_path), "r")
+    run.config.write_text(
+        dump_config(parse_config("model: {preset: tiny}\nsync: {method: gloo}\n"))
+    )
+    run.status.write_text(json.dumps({"state": "running", "workers": 2}))
+    taker = threading.Timer(0.2, run.take_worker_request)  # the driver, deferring it
+    taker.start()
+    assert main(["scale", str(run.path), "--workers", "3", "--timeout", "1.5"]) == 2
+    taker.join()
+    err = capsys.readouterr().err
+    assert "the driver took the request for 3 workers but did not reach that count" in err
+    assert "with sync.method gloo workers change at the next weight publish" in err
 
 
 def test_scale_refuses_zero_workers_and_an_unreadable_config_without_a_traceback(tmp_path, capsys):
@@ -153,7 +197,11 @@ def test_scale_refuses_zero_workers_and_an_unreadable_config_without_a_traceback
     del config["sync"]["method"]  # e.g. a config from before sync.method existed
     run.config.write_text(json.dumps(config))
     assert main(["scale", str(run.path), "--workers", "0"]) == 2
-    assert "--workers must be at least 1, got 0" in capsys.readouterr().err
+    assert "--workers must be from 1 to 1024, got 0" in capsys.readouterr().err
+    # a huge count made the driver build a request per worker in its loop (minutes, GBs)
+    assert main(["scale", str(run.path), "--workers", "100000000"]) == 2
+    assert "--workers must be from 1 to 1024, got 100000000" in capsys.readouterr().err
+    assert not (run.control / "scale.json").exists()
     assert main(["scale", str(run.path), "--workers", "2"]) == 2
     err = capsys.readouterr().err
     assert "cannot read the run's config" in err
