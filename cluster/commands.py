@@ -764,14 +764,16 @@ def cmd_sweep(args: argparse.Namespace) -> int:
             )
         # one line per cell here; each run's full log is in its logs/driver.log
         logging.getLogger().addHandler(_stderr_warnings())
-        total, done = len(sweep.cells), [0]
+        total, done, begun = len(sweep.cells), [0], [0]
         started = time.time()
 
         def on_cell(cell: Any, status: str, summary: dict[str, Any] | None) -> None:
-            if status in ("started", "resuming"):
+            if status in ("started", "resuming"):  # (with --parallel, several at once)
+                begun[0] += 1
                 note = " (continues from its last checkpoint)" if status == "resuming" else ""
-                print(f"[{done[0] + 1}/{total}] {cell.name} ...{note}", flush=True)
+                print(f"[{begun[0]}/{total}] {cell.name} ...{note}", flush=True)
                 return
+            begun[0] += status == "skipped"  # (completed before: it never starts)
             done[0] += 1
             accuracy = (summary or {}).get("accuracy_after")
             tail = f", held-out accuracy {accuracy:.3f}" if isinstance(accuracy, float) else ""

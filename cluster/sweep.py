@@ -282,10 +282,44 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
                 "with __); use labels without __"
             )
         overrides = tuple(o for _, os_ in combo for o in os_)
+        _check_nothing_replaced(path, (*sweep.overrides, *overrides))
         cell = Cell(cell_name, labels, overrides)
         sweep.cells.append(cell)
         sweep.configs[cell_name] = _cell_config(sweep, cell)
+    _check_cells_differ(path, sweep)
     return sweep
+
+
+def _check_nothing_replaced(path: Path, overrides: tuple[str, ...]) -> None:
+    """Refuse a key that a later override replaces with its whole section (overrides: then
+    an axis, or two keys of one label: they apply in that order), e.g. learner.loss.epsilon_low
+    before learner.loss: {name: ...}: its value was lost without a word."""
+    keys = [o.partition("=")[0] for o in overrides]
+    for i, key in enumerate(keys):
+        for later in keys[i + 1 :]:
+            if key.startswith(f"{later}."):
+                raise SweepError(
+                    f"{path}: {key} is set, then {later} is set whole (overrides: apply first, "
+                    f"then the axes in order): {key}'s value would be lost; put it inside "
+                    f"{later}'s value, or set {later} key by key"
+                )
+
+
+def _check_cells_differ(path: Path, sweep: Sweep) -> None:
+    """Refuse two cells whose configs are the same but for their run's name and place
+    (run.seed: [1, 1.0], lr: [1000, 1e3], two labels with one setting): the same run twice,
+    counted as two in the report."""
+    seen: dict[str, str] = {}
+    for name, cfg in sweep.configs.items():
+        data = cfg.model_dump(mode="json")
+        data["run"] = {k: v for k, v in data["run"].items() if k not in ("name", "output_dir")}
+        key = json.dumps(data, sort_keys=True)
+        if key in seen:
+            raise SweepError(
+                f"{path}: cells {seen[key]} and {name} have the same config: the same run "
+                "twice; give each value once (to repeat a setting, add an axis over run.seed)"
+            )
+        seen[key] = name
 
 
 def _check_axes_apart(path: Path, axes: dict[str, dict[str, tuple[str, ...]]]) -> None:
@@ -716,8 +750,12 @@ def _child_command(
         if url is not None:
             env["STALEFLOW_REDIS_URL"] = url
         return [*train, "--resume", str(sweep.runs / cell.name), "--address", join], env
-    argv = [*train, str(sweep.base), *overrides, *_placement(sweep, cell), "--address", join]
-    return argv, env
+    # A key given twice (in overrides: and on an axis, or run.name in overrides:) is refused
+    # on a command line; in-process the last one wins: only the last goes.
+    given = [*overrides, *_placement(sweep, cell)]
+    last = {o.partition("=")[0]: i for i, o in enumerate(given)}
+    given = [o for i, o in enumerate(given) if last[o.partition("=")[0]] == i]
+    return [*train, str(sweep.base), *given, "--address", join], env
 
 
 def _last_error(log: Path, start: int) -> str | None:

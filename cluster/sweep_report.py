@@ -26,7 +26,8 @@ and only the held-out panels show what the learner learned.
 
 Written to <sweep dir>/: report.html, plots/*.png, summary.md, summary.csv, summary.json.
 `staleflow sweep SWEEP.yaml --report-only` rebuilds it from the cells completed so far
-(a table row with runs = 0 is a cell that has not completed).
+(runs counts a cell's completed runs with evaluations: 0 for a cell not completed yet,
+or one that evaluated nothing).
 """
 
 from __future__ import annotations

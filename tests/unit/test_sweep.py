@@ -724,3 +724,53 @@ def test_signals_to_a_parallel_sweep_escalate_to_cells_that_do_not_stop(
     assert "SIGTERM again: stopping the cells at once (seed-0)" in said
     assert "SIGTERM a third time: killing the cells still running (seed-0)" in said
     assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler is back
+
+
+def test_a_key_that_a_later_section_replaces_is_refused(tmp_path):
+    # overrides: set learner.loss.epsilon_low, then an axis set learner.loss whole: every
+    # cell ran with the section's default (0.2), not 0.3, without a word. The same inside
+    # one label, whose keys apply in order.
+    for body, lost in [
+        ("overrides: {learner.loss.epsilon_low: 0.3}\n"
+         "grid: {a: {x: {learner.loss: {name: rec-oneside-nois}}}}\n", "learner.loss.epsilon_low"),
+        ("overrides: {sync.offset: 1}\ngrid: {fast: {f: {sync: {interval: 2}}}}\n", "sync.offset"),
+        ("grid: {a: {x: {learner.loss.epsilon_low: 0.3, learner.loss: {name: grpo}}}}\n",
+         "learner.loss.epsilon_low"),
+    ]:  # fmt: skip
+        with pytest.raises(SweepError, match=rf"{lost} is set, then .* is set whole"):
+            load_sweep(sweep_file(tmp_path, body), output_dir=tmp_path / "out")
+    # a key inside a section set before it applies on top of it, as before
+    sweep = load_sweep(sweep_file(tmp_path, (
+        "overrides: {learner.loss: {name: rec-oneside-nois}}\n"
+        "grid: {learner.loss.epsilon_low: [0.3, 0.4]}\n"
+    )), output_dir=tmp_path / "out")  # fmt: skip
+    assert [sweep.config(c).learner.loss.epsilon_low for c in sweep.cells] == [0.3, 0.4]
+
+
+def test_two_cells_with_one_config_are_refused(tmp_path):
+    # 1 and 1.0 make the labels seed-1 and seed-1.0: the same run twice, counted as two
+    # seeds in the report
+    for grid, cells in [
+        ("{run.seed: [1, 1.0]}", "seed-1 and seed-1.0"),
+        ("{run.steps: [4, 4.0]}", "steps-4 and steps-4.0"),
+        ("{k: {a: {sync.interval: 2}, b: {sync.interval: 2}}}", "a and b"),
+    ]:
+        with pytest.raises(SweepError, match=f"cells {cells} have the same config"):
+            load_sweep(sweep_file(tmp_path, f"grid: {grid}\n"), output_dir=tmp_path / "out")
+
+
+def test_a_parallel_cell_gets_each_key_once_on_its_command_line(tmp_path):
+    # A key in overrides: and on an axis (allowed: the axis's value wins) went twice on a
+    # --parallel cell's `staleflow train`, which refuses that: every cell failed. So did
+    # run.name in overrides: (the sweep sets it too).
+    from staleflow.cluster.sweep import _child_command
+
+    path = sweep_file(tmp_path, "overrides: {run.seed: 5, run.name: x}\ngrid: {run.seed: [0, 1]}\n")
+    sweep = load_sweep(path, output_dir=tmp_path / "out")
+    argv, _ = _child_command(sweep, sweep.cells[1], "x:1")
+    assert [a for a in argv if a.startswith("run.seed=")] == ["run.seed=1"]
+    assert [a for a in argv if a.startswith("run.name=")] == ['run.name="seed-1"']
+    assert sweep.config(sweep.cells[1]).run.seed == 1  # what the in-process run uses
+    from staleflow.configs.loader import check_distinct_overrides
+
+    check_distinct_overrides([a for a in argv if "=" in a and not a.startswith("-")])
