@@ -201,12 +201,17 @@ def build_parser() -> argparse.ArgumentParser:
     buffer_sub = buffer.add_subparsers(dest="buffer_command", metavar="ACTION", required=True)
     stats = buffer_sub.add_parser("stats", help="counts of pushed, pending, acked, dropped groups")
     where = stats.add_mutually_exclusive_group(required=True)
-    where.add_argument("--redis-url", help="redis:// or rediss:// URL of the server")
     where.add_argument(
-        "--run-dir", help="a run directory; its embedded Redis server is found through it"
+        "--redis-url", type=_nonempty, help="redis:// or rediss:// URL of the server"
+    )
+    where.add_argument(
+        "--run-dir",
+        type=_nonempty,
+        help="a run directory; its embedded Redis server is found through it",
     )
     stats.add_argument(
         "--run",
+        type=_nonempty,
         help="the run: its key (summary.json's run_id), or its name if only one run of that "
         "name has a buffer there (default: the run directory's run)",
     )
@@ -214,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_cmd_buffer_stats)
     _add_run_commands(sub)
     return parser
+
+
+def _nonempty(value: str) -> str:
+    """An option's value that must say something: `--redis-url "$UNSET"` gave '' and a
+    traceback; '' for --out, --address or --run-dir fell back to the default silently."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty (an unset shell variable?); give a value")
+    return value
 
 
 def _lazy(name: str) -> Any:
@@ -249,6 +262,7 @@ def _add_run_commands(sub: Any) -> None:
     train.add_argument("--workers", type=int, help="rollout workers (rollout.num_workers)")
     train.add_argument(
         "--address",
+        type=_nonempty,
         help="join an existing Ray cluster: 'auto' or ray://host:10001 (default: "
         "$RAY_ADDRESS if set, else start a Ray of the run's own, even where `ray start` runs "
         "on this machine)",
@@ -256,6 +270,7 @@ def _add_run_commands(sub: Any) -> None:
     train.add_argument(
         "--resume",
         metavar="RUN_DIR",
+        type=_nonempty,
         help="continue a stopped, crashed or killed run from its last checkpoint (its buffer, "
         "schedule and curves too); overrides may lengthen it (run.steps=...) or change how "
         "it runs, not what it trains: run.steps, eval_every, checkpoint_every, "
@@ -270,7 +285,9 @@ def _add_run_commands(sub: Any) -> None:
     )
     evaluate.add_argument("target", help="a run directory or a Hugging Face model directory")
     evaluate.add_argument("overrides", nargs="*", help="dotted config overrides")
-    evaluate.add_argument("--task", help="task name (default: the run's task, or arithmetic)")
+    evaluate.add_argument(
+        "--task", type=_nonempty, help="task name (default: the run's task, or arithmetic)"
+    )
     evaluate.add_argument("--prompts", type=int, help="held-out prompts (task.eval_prompts)")
     evaluate.add_argument(
         "--temperature", type=float, help="sampling temperature (task.eval_temperature)"
@@ -302,12 +319,15 @@ def _add_run_commands(sub: Any) -> None:
         "is documented in configs/sweeps/tiny.yaml.",
     )
     sweep.add_argument("sweep_file", help="sweep file, e.g. configs/sweeps/tiny.yaml")
-    sweep.add_argument("--out", help="parent of the sweep directory (default: its output_dir)")
+    sweep.add_argument(
+        "--out", type=_nonempty, help="parent of the sweep directory (default: its output_dir)"
+    )
     sweep.add_argument(
         "--parallel", type=int, default=1, help="cells at once, each a `staleflow train` process"
     )
     sweep.add_argument(
         "--address",
+        type=_nonempty,
         help="run the cells on this Ray cluster ('auto', ray://...; default: $RAY_ADDRESS if "
         "set, else a Ray of the sweep's own)",
     )

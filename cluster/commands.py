@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -334,7 +335,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             )
         else:
             cfg = load_config(args.config, overrides)
-            name = cfg.run.name or f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+            name = cfg.run.name or _default_run_name(Path(args.config).stem)
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_before_start(cfg, held_out=not resume)
         check_engine_installed(cfg, args.address)
@@ -542,6 +543,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     except OSError as exc:  # a run directory this user cannot write, an unreadable file
         return _fail(f"cannot write the report of {run.path}: {exc}")
     return 0
+
+
+def _default_run_name(stem: str) -> str:
+    """`<config file's name>-<date>-<time>`, made a valid run.name (letters, digits, _.-,
+    128 at most, a letter or digit first): model_copy does not check it, and a config.json
+    holding a name the schema refuses could never be resumed, evaluated or replayed."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", stem)[:112]
+    if not stem[:1].isalnum():
+        stem = f"r{stem[:111]}"
+    return f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def cmd_scale(args: argparse.Namespace) -> int:

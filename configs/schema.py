@@ -822,11 +822,14 @@ def unread_settings(cfg: RunConfig) -> list[str]:
             "holds a copy of the model and runs it each step for a KL term weighted 0 (set "
             "kl_coef, or drop reference_model)"
         )
-    optimizer = cfg.learner.optimizer
-    if optimizer.schedule == "warmup_cosine" and optimizer.warmup_steps >= cfg.run.steps:
+    optimizer, learner = cfg.learner.optimizer, cfg.learner
+    per_step = learner.mini_batches * learner.epochs  # warmup_steps counts optimizer steps
+    total = cfg.run.steps * per_step
+    if optimizer.schedule == "warmup_cosine" and optimizer.warmup_steps >= total:
+        made = f" x {per_step}, mini_batches x epochs" if per_step > 1 else ""
         out.append(
-            f"learner.optimizer.warmup_steps={optimizer.warmup_steps} is not less than "
-            f"run.steps={cfg.run.steps}: the learning rate never reaches learner.optimizer.lr, "
-            "and min_lr_ratio never applies"
+            f"learner.optimizer.warmup_steps={optimizer.warmup_steps} is not less than the "
+            f"run's {total} optimizer steps (run.steps={cfg.run.steps}{made}): the learning "
+            "rate never reaches learner.optimizer.lr, and min_lr_ratio never applies"
         )
     return out

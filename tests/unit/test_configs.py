@@ -688,13 +688,22 @@ def test_a_vllm_engine_may_not_take_more_gpu_memory_than_its_share_of_the_gpu():
          ["model.seed is ignored: it builds only the 'tiny' preset's weights"]),
         (["learner.reference_model=true"], ["learner.reference_model: true with"]),
         (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=1000",
-          "run.steps=10"], ["learner.optimizer.warmup_steps=1000 is not less than run.steps=10"]),
+          "run.steps=10"], ["learner.optimizer.warmup_steps=1000 is not less than the run's 10 "
+                            "optimizer steps (run.steps=10)"]),
+        # warmup_steps counts optimizer steps: 40 of 30 x 4 ends at a third of the run; it
+        # was said never to end. 130 of them does not.
+        (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=40",
+          "run.steps=30", "learner.mini_batches=4"], []),
+        (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=130",
+          "run.steps=30", "learner.mini_batches=4"],
+         ["learner.optimizer.warmup_steps=130 is not less than the run's 120 optimizer steps "
+          "(run.steps=30 x 4, mini_batches x epochs)"]),
         # read: nothing said
         (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=5",
           "run.steps=10", "task.difficulty=3", "task.eval_fraction=0.5"], []),
     ],
     ids=["arithmetic-only", "eval-fraction", "vllm-with-hf", "model-seed", "reference", "warmup",
-         "all-read"],
+         "warmup-mini-batches", "warmup-mini-batches-long", "all-read"],
 )  # fmt: skip
 def test_settings_a_run_never_reads_are_named(overrides, said):
     # each was accepted without a word: a user believed the run used them
@@ -755,3 +764,17 @@ def test_vllm_temperatures_are_those_vllm_samples_at(override, refused):
     else:
         parse_config("model: {preset: tiny}\n", ["rollout.engine=vllm", override])
     parse_config("model: {preset: tiny}\n", [override])  # the hf engine takes any of them
+
+
+def test_the_default_run_name_from_a_config_files_name_is_a_valid_run_name():
+    # `staleflow train "my exp+lr.yaml"` named its run "my exp+lr-<date>-<time>" without the
+    # schema's check: the run trained, but its config.json never loaded again, so it could
+    # not be resumed, evaluated or replayed
+
+    from staleflow.cluster.commands import _default_run_name
+
+    for stem in ("quickstart", "my exp+lr", "_private", ".hidden", "réglages", "x" * 200):
+        name = _default_run_name(stem)
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}-\d{8}-\d{6}", name), name
+        assert parse_config("model: {preset: tiny}\n", [f"run.name={name}"]).run.name == name
+    assert _default_run_name("my exp+lr").startswith("my-exp-lr-")

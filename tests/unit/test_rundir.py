@@ -291,3 +291,22 @@ def test_write_text_durable_fsyncs_the_file_then_its_directory(tmp_path, monkeyp
     assert [s.split(".config.json.")[0] for s in synced] == ["file ", f"dir {tmp_path.name}"]
     assert (tmp_path / "config.json").read_text() == '{"run": {}}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "status.json"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["buffer", "stats", "--redis-url", "", "--run", "x"],  # a traceback (TypeError)
+        ["buffer", "stats", "--run-dir", " "],  # looked for redis/server.json in ''
+        ["sweep", "configs/sweeps/tiny.yaml", "--dry-run", "--out", ""],  # the file's, silently
+        ["train", "configs/tiny.yaml", "--address", ""],  # $RAY_ADDRESS or a new Ray, silently
+        ["train", "--resume", ""],
+    ],
+)
+def test_an_empty_option_value_is_refused_naming_the_option(argv, capsys):
+    # `--redis-url "$UNSET"`: an unset shell variable gives ''
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    flag = next(a for a in argv if a.startswith("--") and a != "--dry-run")
+    assert f"argument {flag}: is empty" in capsys.readouterr().err
