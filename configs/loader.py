@@ -124,7 +124,9 @@ def apply_overrides(
                 )
             node = child
         node[loc[-1]] = value
-        if origins is not None:
+        if origins is not None:  # a section set whole: errors inside it name the override
+            for inside in [o for o in origins if o[: len(loc)] == loc]:
+                del origins[inside]
             origins[loc] = f"override {item!r}"
     return data
 
@@ -142,6 +144,14 @@ def check_distinct_overrides(
             raise ConfigError(
                 f"{key} is set twice on the command line ({redact_override(seen[key])!r} and "
                 f"{redact_override(given)!r}); keep one"
+            )
+        lost = next((k for k in seen if k.startswith(f"{key}.")), None)
+        if lost is not None:  # run.steps=50 run={eval_every: 5}: run.steps was dropped
+            earlier = redact_override(seen[lost])
+            raise ConfigError(
+                f"{redact_override(given)!r} sets {key} whole, after {earlier!r} set {lost} "
+                f"inside it, which it would drop; put {lost} inside that value, or set {key} "
+                "key by key"
             )
         seen[key] = given
     for key, flag in (flags or {}).items():
@@ -358,6 +368,12 @@ def _describe(
             ctx = err.get("ctx", {})
             loc = (*loc, str(ctx.get("discriminator", "name")).strip("'"))
             msg = f"required key is missing; valid: {', '.join(_tags(err['loc']))}"
+            default = _default_tag(err["loc"])
+            if default:  # learner.loss.entropy_coef=0.01 alone: the default looked implied
+                msg += (
+                    f" (the default, {default}, applies only where {'.'.join(loc[:-1])} is not "
+                    f"given at all: with any of its keys, give {loc[-1]} too)"
+                )
             show_input = False
         elif err["type"] == "union_tag_invalid":
             ctx = err.get("ctx", {})
@@ -430,12 +446,17 @@ def _where(loc: Loc, data: dict[str, Any], origins: dict[Loc, str]) -> str | Non
     section, not a key) may fail because of any key in it: the overrides that set one are
     named too, since the file's line for the section is then not the whole story."""
     where = _origin(loc, origins)
-    if loc and _node_at(data, loc) is None:  # a key: its own line or override
-        return where
+    section = loc
+    if loc and _node_at(data, loc) is None:  # a key: its own line or override, or if it
+        if loc in origins:  # is missing, the overrides that made its section
+            return where
+        section = loc[:-1]
     inside = [
         origin
         for key, origin in origins.items()
-        if len(key) > len(loc) and key[: len(loc)] == loc and origin.startswith("override ")
+        if len(key) > len(section)
+        and key[: len(section)] == section
+        and origin.startswith("override ")
     ]
     return ", ".join(dict.fromkeys([where, *inside] if where else inside)) or None
 
@@ -476,6 +497,17 @@ def _tags(loc: Sequence[int | str]) -> list[str]:
     field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
     models = _models_in(field.annotation) if field is not None else []
     return [str(m.model_fields["name"].default) for m in models if "name" in m.model_fields]
+
+
+def _default_tag(loc: Sequence[int | str]) -> str | None:
+    """The `name` of the default value of the discriminated union at `loc`, if it has one."""
+    parent = _model_at(loc[:-1])
+    field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
+    if field is None:
+        return None
+    default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]
+    name = getattr(default, "name", None)
+    return name if isinstance(name, str) else None
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:

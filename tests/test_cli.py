@@ -350,7 +350,7 @@ def test_eval_refuses_bad_options_and_a_broken_model_directory_in_one_line(tmp_p
     for args, message in [
         (["--prompts", "0"], "--prompts must be at least 1, got 0"),
         (["--temperature", "-1"], "eval_temperature"),
-        (["--task", ""], "task.name: unknown task ''"),  # was ignored: the model's task ran
+        (["--task", ""], "argument --task: is empty"),  # was ignored: the model's task ran
     ]:
         out = staleflow("eval", model, "--task", "digits", *args)
         assert out.returncode == 2, out.stdout

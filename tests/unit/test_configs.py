@@ -778,3 +778,35 @@ def test_the_default_run_name_from_a_config_files_name_is_a_valid_run_name():
         assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}-\d{8}-\d{6}", name), name
         assert parse_config("model: {preset: tiny}\n", [f"run.name={name}"]).run.name == name
     assert _default_run_name("my exp+lr").startswith("my-exp-lr-")
+
+
+def test_a_key_a_later_section_would_drop_is_refused_on_the_command_line():
+    # `run.steps=50 'run={eval_every: 5}'` ran 100 steps (the file's): the mapping replaced
+    # the whole section, run.steps included, and the set-twice check compared exact keys
+    from staleflow.configs.loader import check_distinct_overrides
+
+    with pytest.raises(ConfigError, match=r"'run=\{eval_every: 5\}' sets run whole, after "
+                       r"'run.steps=50' set run.steps inside it"):  # fmt: skip
+        check_distinct_overrides(["run.steps=50", "run={eval_every: 5}"])
+    # a key inside a section set before it applies on top of it (what a sweep's cell does)
+    check_distinct_overrides(['buffer={"capacity": 64}', "buffer.redis_url=null"])
+
+
+def test_an_error_inside_a_section_set_by_an_override_names_the_override():
+    # learner.optimizer={lr: 5} was blamed on the file's line of its valid lr: 5.0e-5
+    text = "model: {preset: tiny}\nlearner:\n  optimizer:\n    lr: 5.0e-5\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, ["learner.optimizer={lr: 5}"], source="f.yaml")
+    assert "override 'learner.optimizer={lr: 5}': learner.optimizer.lr" in str(err.value)
+    assert "f.yaml:4" not in str(err.value)
+
+
+def test_a_loss_given_without_its_name_says_the_default_does_not_apply():
+    # learner.loss.entropy_coef=0.01 on a file without learner.loss: "name: required key is
+    # missing", blamed on the file's learner: line, while the docs give reinforce as default
+    text = "model: {preset: tiny}\nlearner: {optimizer: {lr: 1.0e-5}}\n"
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, ["learner.loss.entropy_coef=0.01"], source="f.yaml")
+    message = str(err.value)
+    assert "override 'learner.loss.entropy_coef=0.01': learner.loss.name: required" in message
+    assert "the default, reinforce, applies only where learner.loss is not given" in message
