@@ -465,7 +465,9 @@ def _query_problem(url: str) -> str | None:
     connection (a value it cannot read: ValueError; a name its connection does not take:
     TypeError), or that would break the buffer; None if nothing."""
     import inspect
+    import math
 
+    import redis
     import redis.connection as rc
 
     scheme = url.partition("://")[0]
@@ -485,10 +487,31 @@ def _query_problem(url: str) -> str | None:
             return f"has the option {name!r}, which a buffer URL cannot set (it can: {options})"
         if name in parsers:
             try:
-                parsers[name](values[0])
+                value = parsers[name](values[0])
             except (TypeError, ValueError):
                 return f"has {name}={values[0]!r}, which redis-py cannot read as a {name}"
+            low = _URL_OPTION_LOW.get(name)  # a socket or pool that could never work
+            if low is not None and not (
+                isinstance(value, int | float) and math.isfinite(value) and value > low[0]
+            ):
+                return f"has {name}={values[0]!r}: it must be {low[1]}"
+    try:  # what redis-py checks only as it makes a connection (not connecting here)
+        redis.ConnectionPool.from_url(url).make_connection()
+    except (redis.RedisError, TypeError, ValueError) as exc:
+        return f"has an option redis-py refuses ({exc}): fix or remove it"
     return None
+
+
+# ?options whose values redis-py reads but a connection cannot work with: the bound they
+# must be above, and how to say it. (socket_timeout=0 made every read fail at once;
+# socket_read_size=0 read nothing and said the server closed the connection.)
+_URL_OPTION_LOW = {
+    "socket_timeout": (0, "a finite number of seconds above 0"),
+    "socket_connect_timeout": (0, "a finite number of seconds above 0"),
+    "socket_read_size": (0, "a number of bytes, at least 1"),
+    "max_connections": (0, "at least 1"),
+    "health_check_interval": (-1, "a number of seconds, 0 (off) or more"),
+}
 
 
 class OptimizerConfig(Frozen):

@@ -257,6 +257,17 @@ def test_leftover_parameters_after_switching_preset_are_reported():
         (MINIMAL, ["buffer.redis_url=redis://h:6379?db=one"], "has db='one'"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/0?socket_timeout=x"],
          "has socket_timeout='x'"),
+        # read, but refused by redis-py or the socket at the first connection (a traceback
+        # after Ray had started), or a socket that could never work (socket_read_size=0
+        # read nothing: "unreachable after retrying" from a server that was up)
+        (MINIMAL, ["buffer.redis_url=rediss://:s3cret@h:6390/0?ssl_cert_reqs=bogus"],
+         r"has an option redis-py refuses \(Invalid SSL Certificate Requirements Flag: bogus"),
+        (MINIMAL, ["buffer.redis_url=redis://h:1/0?socket_connect_timeout=-1"],
+         "has socket_connect_timeout='-1': it must be a finite number of seconds above 0"),
+        (MINIMAL, ["buffer.redis_url=redis://h:1/0?socket_timeout=nan"], "socket_timeout='nan'"),
+        (MINIMAL, ["buffer.redis_url=redis://h:1/0?socket_read_size=0"],
+         "has socket_read_size='0': it must be a number of bytes, at least 1"),
+        (MINIMAL, ["buffer.redis_url=redis://h:1/0?max_connections=0"], "max_connections='0'"),
         (MINIMAL, ["buffer.redis_url=redis://h:6379/0?colour=red"],
          r"option 'colour', which a buffer URL cannot set \(it can: client_name, db, "),
         # an object-valued option would arrive as a string and replace the buffer's own
