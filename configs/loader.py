@@ -265,12 +265,20 @@ def _read(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
     return yaml.load(named_text(text, source), Loader=YamlLoader), lines
 
 
+_MAX_KEYS = 100_000  # a config has a few hundred keys; aliases can multiply them without end
+
+
 def _key_lines(root: yaml.Node | None, source: str) -> dict[Loc, int]:
     lines: dict[Loc, int] = {}
 
     def walk(node: yaml.Node | None, loc: Loc, inside: frozenset[int]) -> None:
         if isinstance(node, yaml.MappingNode):
             inside |= {id(node)}
+            if len(lines) + len(node.value) > _MAX_KEYS:  # 8 aliases a level, 8 levels: 8**8
+                raise ConfigError(
+                    f"{source}: holds more than {_MAX_KEYS} keys once its YAML aliases (*name) "
+                    "are expanded; a config has a few hundred: write the values out"
+                )
             for key_node, value_node in node.value:
                 sub = (*loc, str(key_node.value))
                 line = key_node.start_mark.line + 1

@@ -821,3 +821,18 @@ def test_a_loss_given_without_its_name_says_the_default_does_not_apply():
     message = str(err.value)
     assert "override 'learner.loss.entropy_coef=0.01': learner.loss.name: required" in message
     assert "the default, reinforce, applies only where learner.loss is not given" in message
+
+
+def test_a_config_whose_aliases_multiply_its_keys_without_end_is_refused():
+    # 11 lines, each level's mapping naming the one below 8 times: 8**8 keys, which
+    # `staleflow config` walked at full CPU and growing memory until it was killed
+    lines = ["model: {preset: tiny}", "a0: &a0 {k: 1, l: 1, m: 1, n: 1, o: 1, p: 1, q: 1, r: 1}"]
+    for level in range(1, 8):
+        refs = ", ".join(f"k{i}: *a{level - 1}" for i in range(8))
+        lines.append(f"a{level}: &a{level} {{{refs}}}")
+    with pytest.raises(ConfigError, match=r"more than 100000 keys once its YAML aliases"):
+        parse_config("\n".join(lines) + "\n", source="laughs.yaml")
+    # an alias or two, as a config may use them, is read as before (and refused by the schema
+    # as unknown keys here, as any other key)
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_config("model: {preset: tiny}\nx: &x {k: 1}\ny: *x\n")
