@@ -845,6 +845,13 @@ def unread_settings(cfg: RunConfig) -> list[str]:
             "holds a copy of the model and runs it each step for a KL term weighted 0 (set "
             "kl_coef, or drop reference_model)"
         )
+    if cfg.rollout.group_size == 1:  # every advantage is r - mean(r) over the group: 0
+        out.append(
+            "rollout.group_size=1: every advantage is 0 (A = r - the mean reward of the "
+            "prompt's group, a group of one), so the rewards train nothing; only "
+            "learner.loss.kl_coef, entropy_coef or a preset's regularizer move the policy "
+            "(use a group_size of 2 or more)"
+        )
     optimizer, learner = cfg.learner.optimizer, cfg.learner
     per_step = learner.mini_batches * learner.epochs  # warmup_steps counts optimizer steps
     total = cfg.run.steps * per_step

@@ -709,12 +709,13 @@ def test_a_vllm_engine_may_not_take_more_gpu_memory_than_its_share_of_the_gpu():
           "run.steps=30", "learner.mini_batches=4"],
          ["learner.optimizer.warmup_steps=130 is not less than the run's 120 optimizer steps "
           "(run.steps=30 x 4, mini_batches x epochs)"]),
+        (["rollout.group_size=1"], ["rollout.group_size=1: every advantage is 0"]),
         # read: nothing said
         (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=5",
           "run.steps=10", "task.difficulty=3", "task.eval_fraction=0.5"], []),
     ],
     ids=["arithmetic-only", "eval-fraction", "vllm-with-hf", "model-seed", "reference", "warmup",
-         "warmup-mini-batches", "warmup-mini-batches-long", "all-read"],
+         "warmup-mini-batches", "warmup-mini-batches-long", "group-of-one", "all-read"],
 )  # fmt: skip
 def test_settings_a_run_never_reads_are_named(overrides, said):
     # each was accepted without a word: a user believed the run used them
