@@ -81,7 +81,7 @@ def test_slurm_script_is_valid_bash_and_trains_the_given_config():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert "#SBATCH --gpus-per-node" in text
-    assert 'staleflow train "$CONFIG" --address' in text
+    assert 'staleflow train "$CONFIG" "$@" --address' in text
 
 
 # Stand-ins for what a SLURM allocation provides, to drive the script's own logic (which node
@@ -109,7 +109,9 @@ _STUBS = {
 }
 
 
-def _slurm_script(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], Path]:
+def _slurm_script(
+    tmp_path: Path, args: tuple[str, ...] = ("c.yaml", "run.steps=5"), **env: str
+) -> tuple[subprocess.Popen[bytes], Path]:
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
     state.mkdir()
@@ -125,7 +127,7 @@ def _slurm_script(tmp_path: Path, **env: str) -> tuple[subprocess.Popen[bytes], 
     # until the job ends) and would hold a pipe open
     with (state / "out.log").open("w") as out:
         proc = subprocess.Popen(
-            ["bash", str(LAUNCH / "slurm.sh"), "c.yaml", "run.steps=5"], cwd=tmp_path,
+            ["bash", str(LAUNCH / "slurm.sh"), *args], cwd=tmp_path,
             env=environ, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,  # its `ray start` stand-ins are killed with the group
         )  # fmt: skip
@@ -155,10 +157,29 @@ def test_slurm_script_hands_a_stop_signal_to_the_driver_and_exits_with_its_statu
     out = _finish(proc, state)
     assert proc.returncode == 143, out
     assert driver.read_text().splitlines() == [
-        "train c.yaml --address 10.0.0.1:6379 run.steps=5",  # the head's name, resolved
+        "train c.yaml run.steps=5 --address 10.0.0.1:6379",  # the head's name, resolved
         "TERM",
     ]
     assert "SIGTERM to the driver" in out
+
+
+def test_slurm_script_resumes_a_run_its_header_says_it_can(tmp_path):
+    # `sbatch slurm.sh --resume runs/NAME` ran `train --resume --address H:P runs/NAME`,
+    # which argparse refuses (--resume took no value): the resume the header promises
+    from staleflow.cluster.cli import build_parser
+
+    proc, state = _slurm_script(tmp_path, args=("--resume", "runs/r", "run.steps=9"))
+    deadline = time.monotonic() + 60
+    while not (state / "driver").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _finish(proc, state)
+    argv = (state / "driver").read_text().splitlines()[0].split()
+    assert argv == ["train", "--resume", "runs/r", "run.steps=9", "--address", "10.0.0.1:6379"]
+    args = build_parser().parse_args(argv)  # what the real staleflow makes of it (the
+    # first override lands in `config`, which a resume takes as one: _resumed_config)
+    assert (args.resume, args.config, args.address) == ("runs/r", "run.steps=9",
+                                                        "10.0.0.1:6379")  # fmt: skip
 
 
 def test_slurm_script_takes_an_interface_address_when_the_head_s_name_is_loopback(tmp_path):

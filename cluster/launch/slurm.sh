@@ -3,6 +3,7 @@
 # `staleflow train` on the head against that cluster, stop Ray when it ends.
 #
 #   sbatch cluster/launch/slurm.sh configs/quickstart-gpu.yaml [dotted overrides...]
+#   sbatch cluster/launch/slurm.sh --resume runs/NAME [overrides...]   # go on after a stop
 #   scancel --batch --signal=TERM JOBID    # a clean stop: checkpoint, summary, report
 #
 # Run from the repository (or any directory holding the config) in an environment where
@@ -17,7 +18,7 @@
 # `--signal=B:TERM@300` below has SLURM SIGTERM only this script 300 s before the time limit,
 # and `scancel --batch --signal=TERM` does the same on demand; the script hands the signal to
 # the driver, which finishes the step in flight, checkpoints and stops Ray's work itself.
-# `staleflow train --resume runs/NAME` goes on from there in a new allocation.
+# `sbatch cluster/launch/slurm.sh --resume runs/NAME` goes on from there in a new allocation.
 #SBATCH --job-name=staleflow
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -28,7 +29,7 @@
 #SBATCH --output=staleflow-%j.log
 set -euo pipefail
 
-CONFIG=${1:?usage: sbatch cluster/launch/slurm.sh CONFIG [overrides...]}
+CONFIG=${1:?usage: sbatch cluster/launch/slurm.sh CONFIG [overrides...] (or --resume RUN_DIR)}
 shift
 PORT=${RAY_PORT:-6379}
 START_TIMEOUT_S=${RAY_START_TIMEOUT_S:-300}
@@ -100,7 +101,8 @@ wait_for_nodes "${#NODES[@]}"
 # The driver runs on the head node (this batch step runs there: it is the first node), in
 # the background so that a SIGTERM to this script reaches it: bash runs a trap only once its
 # foreground command ends, and `wait` returns early for one.
-RAY_ADDRESS="$HEAD_IP:$PORT" staleflow train "$CONFIG" --address "$HEAD_IP:$PORT" "$@" &
+# (--address last: `sbatch slurm.sh --resume runs/NAME` is `train --resume runs/NAME ...`)
+RAY_ADDRESS="$HEAD_IP:$PORT" staleflow train "$CONFIG" "$@" --address "$HEAD_IP:$PORT" &
 driver=$!
 trap 'echo "staleflow: SIGTERM to the driver ($driver) for a clean stop"
   kill -TERM "$driver" 2>/dev/null || true' TERM INT
