@@ -37,7 +37,7 @@ def _version() -> str:
 def _cmd_config(args: argparse.Namespace) -> int:
     from staleflow.actors.models import ModelError, PromptTooLongError
     from staleflow.actors.tasks import TaskError
-    from staleflow.cluster.commands import check_before_start
+    from staleflow.cluster.commands import check_before_start, local_run_refusals
     from staleflow.configs import ConfigError, load_config
     from staleflow.configs.loader import check_distinct_overrides, dump_redacted
 
@@ -48,6 +48,9 @@ def _cmd_config(args: argparse.Namespace) -> int:
     except (ConfigError, TaskError, ModelError, PromptTooLongError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for note in local_run_refusals(cfg):  # (the config may be meant for a cluster)
+        print(f"warning: `staleflow train` without --address would refuse it: {note}",
+              file=sys.stderr)  # fmt: skip
     print(dump_redacted(cfg))  # passwords masked, as in the run's config.json
     return 0
 

@@ -202,6 +202,27 @@ def check_engine_installed(cfg: Any, address: str | None) -> None:
         )
 
 
+def local_run_refusals(cfg: Any) -> list[str]:
+    """Why `staleflow train` of `cfg` without --address (on a Ray of its own, here) refuses it:
+    what `staleflow config` can only note, the config being maybe meant for a cluster."""
+    from staleflow.configs import ConfigError
+
+    out = []
+    try:
+        check_engine_installed(cfg, None)
+    except ConfigError as exc:
+        out.append(str(exc))
+    asked = [k for k in ("learner", "rollout") if getattr(cfg, k).resources]
+    if asked:  # they would only be refused once Ray started
+        out.append(
+            f"{asked[0]}.resources asks for Ray custom resources, which only nodes started "
+            "with `ray start --resources` have; a run without --address starts a Ray of "
+            "its own with none: join that cluster (--address auto on one of its nodes, "
+            f"or HOST:6379), or drop {asked[0]}.resources"
+        )
+    return out
+
+
 def _default_of(field: Any) -> str:
     """` [default]`, a preset by its name (learner.loss), nothing for a required key."""
     if field.is_required():
@@ -338,15 +359,9 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
             name = cfg.run.name or _default_run_name(Path(args.config).stem)
             cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
         check_before_start(cfg, held_out=not resume)
-        check_engine_installed(cfg, args.address)
-        asked = [k for k in ("learner", "rollout") if getattr(cfg, k).resources]
-        if asked and not args.address:  # they would only be refused once Ray started
-            raise ConfigError(
-                f"{asked[0]}.resources asks for Ray custom resources, which only nodes started "
-                "with `ray start --resources` have; a run without --address starts a Ray of "
-                "its own with none: join that cluster (--address auto on one of its nodes, "
-                f"or HOST:6379), or drop {asked[0]}.resources"
-            )
+        refusals = [] if args.address else local_run_refusals(cfg)
+        if refusals:
+            raise ConfigError(refusals[0])
         if (
             cfg.buffer.redis_url is None
             and redis_url_from_env() is None

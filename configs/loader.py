@@ -344,6 +344,13 @@ def _describe(
             valid = _valid_keys(err["loc"][:-1])
             msg = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
             show_input = False
+            key = str(loc[-1]) if loc else ""
+            if "." in key and not origins.get(loc, "").startswith("override "):
+                first, _, rest = key.partition(".")  # `run.steps: 5` in a file
+                msg = (
+                    f"unknown key: a dotted key is for the command line and sweep files; in a "
+                    f"config file, nest it: {first}: {{{rest}: ...}}"
+                )
             name_origin = origins.get((*loc[:-1], "name"), "")
             key_origin = origins.get(loc, "")
             if name_origin.startswith("override ") and not key_origin.startswith("override "):

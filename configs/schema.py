@@ -807,6 +807,10 @@ class RunConfig(Frozen):
 _ARITHMETIC_ONLY = ("difficulty", "operations", "format_reward")
 
 
+def _default(model: type[Frozen], key: str) -> Any:
+    return model.model_fields[key].get_default(call_default_factory=True)
+
+
 def unread_settings(cfg: RunConfig) -> list[str]:
     """Settings changed from their defaults that this run never reads, each with why: said
     (as warnings) before a run starts, rather than refused, since a config switched to
@@ -845,6 +849,23 @@ def unread_settings(cfg: RunConfig) -> list[str]:
             "holds a copy of the model and runs it each step for a KL term weighted 0 (set "
             "kl_coef, or drop reference_model)"
         )
+    sync, buffer = cfg.sync, cfg.buffer
+    if sync.method not in ("nccl", "gloo") and sync.broadcast_timeout_s != _default(
+        SyncConfig, "broadcast_timeout_s"
+    ):
+        out.append(f"sync.broadcast_timeout_s is ignored: only sync.method nccl or gloo "
+                   f"broadcasts, not {sync.method!r}")  # fmt: skip
+    if buffer.redis_url is not None and not buffer.persistence:
+        out.append("buffer.persistence is ignored: it sets up the embedded Redis, and "
+                   "buffer.redis_url names a server of its own")  # fmt: skip
+    vllm = cfg.rollout.vllm
+    if (
+        cfg.rollout.engine == "vllm"
+        and sync.method in ("nccl", "gloo")  # (ipc: a resume's older versions come as buckets)
+        and (vllm.weight_transport != _default(VLLMConfig, "weight_transport"))
+    ):
+        out.append(f"rollout.vllm.weight_transport is ignored: a broadcast ({sync.method}) "
+                   "loads the weights, not a bucket sent to the engine")  # fmt: skip
     if cfg.rollout.group_size == 1:  # every advantage is r - mean(r) over the group: 0
         out.append(
             "rollout.group_size=1: every advantage is 0 (A = r - the mean reward of the "

@@ -710,12 +710,20 @@ def test_a_vllm_engine_may_not_take_more_gpu_memory_than_its_share_of_the_gpu():
          ["learner.optimizer.warmup_steps=130 is not less than the run's 120 optimizer steps "
           "(run.steps=30 x 4, mini_batches x epochs)"]),
         (["rollout.group_size=1"], ["rollout.group_size=1: every advantage is 0"]),
+        (["sync.broadcast_timeout_s=60"], ["sync.broadcast_timeout_s is ignored: only "
+                                           "sync.method nccl or gloo broadcasts, not 'ray'"]),
+        (["buffer.redis_url=redis://h:6379/0", "buffer.persistence=false"],
+         ["buffer.persistence is ignored: it sets up the embedded Redis"]),
+        (["rollout.engine=vllm", "sync.method=gloo", "sync.mode=async", "sync.offset=0",
+          "rollout.vllm.weight_transport=rpc"],
+         ["rollout.vllm.weight_transport is ignored: a broadcast (gloo) loads the weights"]),
         # read: nothing said
         (["learner.optimizer.schedule=warmup_cosine", "learner.optimizer.warmup_steps=5",
           "run.steps=10", "task.difficulty=3", "task.eval_fraction=0.5"], []),
     ],
     ids=["arithmetic-only", "eval-fraction", "vllm-with-hf", "model-seed", "reference", "warmup",
-         "warmup-mini-batches", "warmup-mini-batches-long", "group-of-one", "all-read"],
+         "warmup-mini-batches", "warmup-mini-batches-long", "group-of-one", "broadcast-timeout",
+         "persistence-external", "weight-transport-broadcast", "all-read"],
 )  # fmt: skip
 def test_settings_a_run_never_reads_are_named(overrides, said):
     # each was accepted without a word: a user believed the run used them
@@ -837,3 +845,11 @@ def test_a_config_whose_aliases_multiply_its_keys_without_end_is_refused():
     # as unknown keys here, as any other key)
     with pytest.raises(ConfigError, match="unknown key"):
         parse_config("model: {preset: tiny}\nx: &x {k: 1}\ny: *x\n")
+
+
+def test_a_dotted_key_in_a_config_file_says_to_nest_it():
+    # `run.steps: 5` in a file said "unknown key; valid keys here: buffer, ..." though
+    # run.steps is a key (and sweep files take dotted keys)
+    with pytest.raises(ConfigError, match=r"f.yaml:2: run.steps: unknown key: a dotted key is "
+                       r"for the command line .* nest it: run: \{steps: ...\}"):  # fmt: skip
+        parse_config("model: {preset: tiny}\nrun.steps: 5\n", source="f.yaml")

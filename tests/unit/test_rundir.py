@@ -310,3 +310,19 @@ def test_an_empty_option_value_is_refused_naming_the_option(argv, capsys):
     assert exit_.value.code == 2
     flag = next(a for a in argv if a.startswith("--") and a != "--dry-run")
     assert f"argument {flag}: is empty" in capsys.readouterr().err
+
+
+def test_config_notes_what_a_local_train_would_refuse(capsys):
+    # `staleflow config` said nothing (exit 0) of a config `staleflow train` then refused
+    # before starting: vLLM not installed here, custom resources without --address. They are
+    # notes, not errors: the config may be meant for a cluster.
+    import importlib.util
+
+    argv = ["config", "configs/tiny.yaml", "rollout.resources={rollout: 1}"]
+    if importlib.util.find_spec("vllm") is None:
+        argv.append("rollout.engine=vllm")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "without --address would refuse it: rollout.resources asks for Ray custom" in err
+    if "rollout.engine=vllm" in argv:
+        assert "rollout.engine: vllm, but vLLM is not installed" in err
