@@ -57,16 +57,18 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def start_ray(address: str | None, cfg: Any = None, log_to_driver: bool = True) -> None:
+def start_ray(
+    address: str | None, cfg: Any = None, log_to_driver: bool = True, runs: int = 1
+) -> None:
     """Join the cluster at `address` ('auto', 'ray://host:port', 'host:port') or start a local
     one on the loopback interface (actors' logs are echoed here unless `log_to_driver` is
-    False). A local one gets the machine's CPUs, or what the run
-    reserves if that is more, plus `SCALE_HEADROOM` so `staleflow scale` can add workers (Ray
-    CPUs are a scheduling count: the OS shares the cores)."""
+    False). A local one gets the machine's CPUs, or what `runs` runs of `cfg` reserve (a
+    sweep's cells side by side) if that is more, plus `SCALE_HEADROOM` so `staleflow scale`
+    can add workers (Ray CPUs are a scheduling count: the OS shares the cores)."""
     if ray.is_initialized():
         return
     with _keeping_sigterm_handler():
-        _start_ray(address, cfg, log_to_driver)
+        _start_ray(address, cfg, log_to_driver, runs)
 
 
 @contextlib.contextmanager
@@ -83,7 +85,7 @@ def _keeping_sigterm_handler() -> Any:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
+def _start_ray(address: str | None, cfg: Any, log_to_driver: bool, runs: int = 1) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict[str, Any] = {"log_to_driver": log_to_driver, "include_dashboard": False}
     if address:
@@ -101,6 +103,7 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool) -> None:
     needed = 1.0
     if cfg is not None:
         needed = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.learner.num_ranks
+        needed *= runs
     cpus = max(os.cpu_count() or 1, math.ceil(needed)) + SCALE_HEADROOM
     # "local": a Ray of this run's own even where `ray start` left a cluster on this machine
     # or $RAY_ADDRESS names one (ray.init's default joins those, and then refuses num_cpus

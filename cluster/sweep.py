@@ -579,8 +579,12 @@ def run_sweep(
 
 
 @contextlib.contextmanager
-def _ray_for(sweep: Sweep, todo: list[Cell], address: str | None) -> Iterator[None]:
-    """Join `address`, or start a local Ray sized for the widest cell and stop it after."""
+def _ray_for(
+    sweep: Sweep, todo: list[Cell], address: str | None, parallel: int = 1
+) -> Iterator[None]:
+    """Join `address`, or start a local Ray sized for `parallel` of the widest cell (sized for
+    one, the cells of a --parallel sweep queued for CPUs until run.start_timeout_s failed
+    them) and stop it after."""
     import ray
 
     from staleflow.cluster.placement import start_ray
@@ -592,7 +596,7 @@ def _ray_for(sweep: Sweep, todo: list[Cell], address: str | None) -> Iterator[No
     )
     # each cell's driver.log is in its run directory; actors' output stays in Ray's session
     # directory (README, "Every run writes ...")
-    start_ray(address, widest, log_to_driver=False)
+    start_ray(address, widest, log_to_driver=False, runs=min(parallel, len(todo)))
     try:
         yield
     finally:
@@ -805,7 +809,7 @@ def _run_processes(
     for sig in signals if main else ():
         signal.signal(sig, on_signal)
     try:
-        with _ray_for(sweep, todo, address):
+        with _ray_for(sweep, todo, address, parallel):
             join = address or ray.get_runtime_context().gcs_address
             while (queue or running) and not received:
                 while queue and len(running) < parallel and not received:

@@ -774,3 +774,30 @@ def test_a_parallel_cell_gets_each_key_once_on_its_command_line(tmp_path):
     from staleflow.configs.loader import check_distinct_overrides
 
     check_distinct_overrides([a for a in argv if "=" in a and not a.startswith("-")])
+
+
+def test_a_parallel_sweeps_own_ray_has_cpus_for_its_cells_side_by_side(tmp_path, monkeypatch):
+    # Sized for one cell, the cells of `--parallel 3` without --address queued for CPUs,
+    # and those that never got them failed after run.start_timeout_s
+    import ray
+
+    from staleflow.cluster import placement
+    from staleflow.cluster.sweep import _ray_for
+
+    asked: list[int] = []
+    monkeypatch.setattr(placement, "start_ray", lambda *a, runs=1, **k: asked.append(runs))
+    sweep = load_sweep(sweep_file(tmp_path, "grid: {run.seed: [0, 1]}\n"), tmp_path / "out")
+    for parallel, runs in ((1, 1), (3, 2)):  # (never more than the cells to run)
+        with _ray_for(sweep, sweep.cells, "127.0.0.1:1", parallel):
+            pass
+        assert asked.pop() == runs
+    # ... and start_ray reserves what that many runs of the widest cell need
+    cfg = sweep.config(sweep.cells[0])  # 1 worker x 1 CPU + 1 learner rank: 2 CPUs a run
+    monkeypatch.undo()  # the real start_ray, with Ray itself replaced
+    inits: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: inits.append(kwargs))
+    monkeypatch.setattr(placement, "object_store_bytes", lambda cfg: None)
+    monkeypatch.setattr(placement.os, "cpu_count", lambda: 2)
+    placement.start_ray(None, cfg, log_to_driver=False, runs=3)
+    assert inits[-1]["num_cpus"] == 3 * 2 + placement.SCALE_HEADROOM
