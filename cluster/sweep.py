@@ -666,6 +666,33 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _ended(
+    sweep: Sweep,
+    cell: Cell,
+    proc: subprocess.Popen[bytes],
+    logs: Path,
+    start: int,
+    on_cell: Any,
+    stopped: bool = False,
+) -> str:
+    """A --parallel cell's process ended: its status by its exit status (a failure's one-line
+    error from its output after byte `start`), told to `on_cell`. `stopped`: the sweep
+    stopped it, so one killed by a signal (the third stop) is interrupted, not failed."""
+    killed = stopped and proc.returncode < 0
+    status = (
+        "completed" if proc.returncode == 0
+        else "interrupted" if proc.returncode in _STOPPED_CLEANLY or killed
+        else "failed"
+    )  # fmt: skip
+    summary = read_summary(sweep.runs / cell.name)
+    if status == "failed":
+        error = _last_error(logs / f"{cell.name}.out", start) or f"exit status {proc.returncode}"
+        summary = {**(summary or {}), "status": status, "error": error}
+    if on_cell is not None:
+        on_cell(cell, status, summary)
+    return status
+
+
 def _stop_cells(
     procs: dict[str, subprocess.Popen[bytes]], received: list[int], poll_s: float = 0.1
 ) -> None:
@@ -832,26 +859,14 @@ def _run_processes(
                         continue
                     out.close()
                     del running[name]
-                    status = (
-                        "completed" if proc.returncode == 0
-                        else "interrupted" if proc.returncode in _STOPPED_CLEANLY
-                        else "failed"
-                    )  # fmt: skip
-                    results[name] = status
-                    summary = read_summary(sweep.runs / cell.name)
-                    if status == "failed":
-                        error = _last_error(logs / f"{cell.name}.out", start)
-                        error = error or f"exit status {proc.returncode}"
-                        summary = {**(summary or {}), "status": status, "error": error}
-                    if on_cell is not None:
-                        on_cell(cell, status, summary)
+                    results[name] = _ended(sweep, cell, proc, logs, start, on_cell)
             if received:  # the cells not started yet are stopped too (run again to go on),
                 # also when the running ones all ended in the poll that saw the signal
                 results.update({cell.name: "interrupted" for cell in queue})
                 _stop_cells({name: proc for name, (_, proc, _, _) in running.items()}, received)
-                for name, (_, _, out, _) in running.items():
-                    out.close()
-                    results[name] = "interrupted"
+                for name, (cell, proc, out, start) in running.items():  # each as it ended (a
+                    out.close()  # cell may have completed, or failed, during the stop)
+                    results[name] = _ended(sweep, cell, proc, logs, start, on_cell, True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -801,3 +801,55 @@ def test_a_parallel_sweeps_own_ray_has_cpus_for_its_cells_side_by_side(tmp_path,
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 2)
     placement.start_ray(None, cfg, log_to_driver=False, runs=3)
     assert inits[-1]["num_cpus"] == 3 * 2 + placement.SCALE_HEADROOM
+
+
+# A cell's `staleflow train` that, at the sweep's stop signal, ends with the exit status it
+# was given: 0 (its last step was its run's last: completed), or another (it failed).
+ENDING_CELL = """
+import pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(int(sys.argv[2])))
+pathlib.Path(sys.argv[1]).write_text("up")
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    time.sleep(0.05)
+"""
+
+
+def test_cells_that_end_during_a_parallel_stop_are_reported_as_they_ended(tmp_path, monkeypatch):
+    # Every cell still running at the stop was recorded "interrupted", whatever its exit
+    # status, and no line was printed for it
+    import contextlib
+    import os
+    import signal
+    import sys
+    import threading
+
+    from staleflow.cluster import sweep as sweep_module
+    from tests.integration.test_system import wait_for
+
+    sweep = load_sweep(sweep_file(tmp_path, "grid: {run.seed: [0, 1]}\n"), tmp_path / "out")
+    (tmp_path / "cell.py").write_text(ENDING_CELL)
+    monkeypatch.setattr(sweep_module, "_ray_for", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(
+        sweep_module, "_child_command",
+        lambda sweep, cell, *a: ([sys.executable, str(tmp_path / "cell.py"),
+                                  str(tmp_path / cell.name), "0" if cell.name == "seed-0" else "3"],
+                                 dict(os.environ)),
+    )  # fmt: skip
+
+    def stop_once_both_run() -> None:
+        both = lambda: all((tmp_path / c.name).exists() for c in sweep.cells)  # noqa: E731
+        wait_for(both, 30, "both cells to start", poll_s=0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    told: list[tuple[str, str]] = []
+    thread = threading.Thread(target=stop_once_both_run, daemon=True)
+    thread.start()
+    results = sweep_module._run_processes(
+        sweep, sweep.cells, "127.0.0.1:6379", 2,
+        lambda cell, status, summary: told.append((cell.name, status)), set(),
+    )  # fmt: skip
+    thread.join(10)
+    assert results == {"seed-0": "completed", "seed-1": "failed"}
+    assert ("seed-0", "completed") in told
+    assert ("seed-1", "failed") in told
