@@ -190,6 +190,8 @@ def load_sweep(path: str | Path, output_dir: str | Path | None = None) -> Sweep:
         raise SweepError(f"cannot read sweep file {path}: {exc}") from None
     except ConfigError as exc:  # a key given twice (YAML would keep the last silently)
         raise SweepError(str(exc)) from None
+    except ValueError as exc:  # an integer past Python's 4300 digits
+        raise SweepError(f"cannot read sweep file {path}: {exc}") from None
     if not isinstance(data, dict):
         raise SweepError(f"{path}: a sweep file is a mapping with base: and grid: keys")
     unknown = sorted(set(data) - _KEYS)

@@ -109,6 +109,8 @@ def apply_overrides(
             )
         try:
             value = yaml.load(raw, Loader=YamlLoader) if raw.strip() else ""
+        except ValueError as exc:  # an integer past Python's 4300 digits
+            raise ConfigError(f"override {item!r}: value cannot be read: {exc}") from None
         except yaml.YAMLError as exc:
             message = f"override {item!r}: value is not valid YAML: {exc}"
             if "alias" in str(exc):  # task.operations=[*]: YAML's alias mark
@@ -319,6 +321,10 @@ def _parse_yaml(text: str, source: str) -> tuple[dict[str, Any], dict[Loc, int]]
     """Parse the document and record the 1-based line of every key."""
     try:
         data, lines = _read(_untabbed(text), source)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # an integer past Python's 4300 digits (not a YAMLError)
+        raise ConfigError(f"{source}: a value cannot be read: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source

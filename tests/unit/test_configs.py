@@ -853,3 +853,15 @@ def test_a_dotted_key_in_a_config_file_says_to_nest_it():
     with pytest.raises(ConfigError, match=r"f.yaml:2: run.steps: unknown key: a dotted key is "
                        r"for the command line .* nest it: run: \{steps: ...\}"):  # fmt: skip
         parse_config("model: {preset: tiny}\nrun.steps: 5\n", source="f.yaml")
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_config_error():
+    # PyYAML's int() raised ValueError (not a YAMLError): a traceback
+    huge = "9" * 5000
+    with pytest.raises(ConfigError, match=r"f.yaml: a value cannot be read: Exceeds the limit"):
+        parse_config(f"model: {{preset: tiny}}\nrun: {{steps: {huge}}}\n", source="f.yaml")
+    with pytest.raises(ConfigError, match=r"override 'run.steps=9+': value cannot be read"):
+        parse_config("model: {preset: tiny}\n", [f"run.steps={huge}"])
+    # a key given twice still says so (ConfigError is a ValueError too)
+    with pytest.raises(ConfigError, match=r"f.yaml:3: run is given twice"):
+        parse_config("model: {preset: tiny}\nrun: {steps: 1}\nrun: {steps: 2}\n", source="f.yaml")
