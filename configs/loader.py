@@ -112,7 +112,11 @@ def apply_overrides(
         except ValueError as exc:  # an integer past Python's 4300 digits
             raise ConfigError(f"override {item!r}: value cannot be read: {exc}") from None
         except yaml.YAMLError as exc:
-            message = f"override {item!r}: value is not valid YAML: {exc}"
+            detail = str(exc)
+            if item != given:  # a password was masked: not the parser's quote of the raw text
+                parts = (getattr(exc, "context", None), getattr(exc, "problem", None))
+                detail = "; ".join(p for p in parts if p) or type(exc).__name__
+            message = f"override {item!r}: value is not valid YAML: {detail}"
             if "alias" in str(exc):  # task.operations=[*]: YAML's alias mark
                 message += "\n(quote a value that starts with * or &, e.g. \"['*']\")"
             raise ConfigError(_mask_urls_in_mappings(redact(message))) from None

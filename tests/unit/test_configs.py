@@ -865,3 +865,11 @@ def test_an_integer_past_pythons_digit_limit_is_a_config_error():
     # a key given twice still says so (ConfigError is a ValueError too)
     with pytest.raises(ConfigError, match=r"f.yaml:3: run is given twice"):
         parse_config("model: {preset: tiny}\nrun: {steps: 1}\nrun: {steps: 2}\n", source="f.yaml")
+
+
+def test_an_override_that_is_bad_yaml_does_not_quote_its_password():
+    # the header masked it, but PyYAML's error quoted the raw value: [:s3cret@h:1/0
+    with pytest.raises(ConfigError) as err:
+        parse_config("model: {preset: tiny}\n", ["buffer.redis_url=[:s3cret@h:1/0"])
+    assert "value is not valid YAML: while parsing a flow node" in str(err.value)
+    assert "s3cret" not in str(err.value)
