@@ -615,6 +615,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
         if gone:  # killed while we waited: no confirmation can come
             (run.control / "scale.json").unlink(missing_ok=True)
             return _fail(gone)
+    refusal = run.worker_refusal(args.workers)  # (one that came after the last poll)
+    if refusal:
+        return _fail(f"run {run.path.name} cannot scale to {args.workers} workers: {refusal}")
     if (run.control / "scale.json").exists():
         return _fail(
             f"the driver did not take the request for {args.workers} workers within "

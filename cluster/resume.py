@@ -405,12 +405,14 @@ class Resume:
             why = (
                 f"sync.method {method} keeps no copy"
                 if method in SyncConfig.PUSH_METHODS
-                else "it was written before staleflow kept every version a lock-step "
+                else "a checkpoint keeps the versions of the batches up to twice the "
+                "run.steps of the run that wrote it, and this resume's run.steps goes past "
+                "them; or it was written before staleflow kept every version a lock-step "
                 "sync.offset above the interval needs"
             )
             raise ResumeError(
                 f"{self.checkpoint}: the schedule still needs weights v{missing}, which the "
-                f"checkpoint does not hold ({why}); this run can only be resumed from a "
+                f"checkpoint does not hold ({why}); resume with fewer run.steps, or from a "
                 "checkpoint without older versions in use"
             )
         return old

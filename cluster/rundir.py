@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -301,14 +302,21 @@ class RunDir:
         from staleflow.configs.schema import MAX_WORKERS
 
         path = self.control / "scale.json"
-        try:
-            raw = path.read_bytes()
+        taking = self.control / f".scale.taking.{uuid.uuid4().hex[:8]}"
+        try:  # renamed first: a request written meanwhile stays for the next poll
+            os.rename(path, taking)
+            raw = taking.read_bytes()
         except FileNotFoundError:
             return None
-        except OSError as exc:  # unreadable (its permissions): said, and left for its owner
-            logger.warning("cannot read the scale request %s: %s", path, exc)
+        except OSError as exc:  # unreadable, or a directory: said once, left for its owner
+            if not getattr(self, "_said_unreadable", False):
+                logger.warning("cannot read the scale request %s: %s", path, exc)
+                self._said_unreadable = True
+            if taking.exists():
+                with contextlib.suppress(OSError):
+                    os.rename(taking, path)
             return None
-        path.unlink(missing_ok=True)
+        taking.unlink(missing_ok=True)
         try:
             data = json.loads(raw)
         except ValueError:  # JSON or UTF-8 errors

@@ -161,9 +161,12 @@ def check_distinct_overrides(
             )
         seen[key] = given
     for key, flag in (flags or {}).items():
-        if key in seen:
+        # (an override of a section holding the key, 'rollout={num_workers: 2}', sets it too)
+        holder = next((k for k in seen if k == key or key.startswith(f"{k}.")), None)
+        if holder is not None:
             raise ConfigError(
-                f"{flag} and the override {redact_override(seen[key])!r} both set {key}; keep one"
+                f"{flag} and the override {redact_override(seen[holder])!r} both set {key}; "
+                "keep one"
             )
 
 
@@ -355,12 +358,15 @@ def _describe(
             msg = "unknown key" + (f"; valid keys here: {', '.join(valid)}" if valid else "")
             show_input = False
             key = str(loc[-1]) if loc else ""
-            if "." in key and not origins.get(loc, "").startswith("override "):
-                first, _, rest = key.partition(".")  # `run.steps: 5` in a file
+            first, _, rest = key.partition(".")  # `run.steps: 5` in a file
+            if "." in key and first in valid:
+                given = (_origin(loc, origins) or "").startswith("override ")
                 msg = (
-                    f"unknown key: a dotted key is for the command line and sweep files; in a "
-                    f"config file, nest it: {first}: {{{rest}: ...}}"
-                )
+                    "unknown key: inside a mapping value a key is not dotted: nest it"
+                    if given
+                    else "unknown key: a dotted key is for the command line and sweep files; "
+                    "in a config file, nest it"
+                ) + f": {first}: {{{rest}: ...}}"
             name_origin = origins.get((*loc[:-1], "name"), "")
             key_origin = origins.get(loc, "")
             if name_origin.startswith("override ") and not key_origin.startswith("override "):
@@ -473,8 +479,9 @@ def _where(loc: Loc, data: dict[str, Any], origins: dict[Loc, str]) -> str | Non
     where = _origin(loc, origins)
     section = loc
     if loc and _node_at(data, loc) is None:  # a key: its own line or override, or if it
-        if loc in origins:  # is missing, the overrides that made its section
-            return where
+        parent = _node_at(data, loc[:-1]) if len(loc) > 1 else data  # is missing, the
+        if loc in origins or (isinstance(parent, dict) and loc[-1] in parent):  # overrides
+            return where  # that made its section
         section = loc[:-1]
     inside = [
         origin

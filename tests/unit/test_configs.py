@@ -873,3 +873,18 @@ def test_an_override_that_is_bad_yaml_does_not_quote_its_password():
         parse_config("model: {preset: tiny}\n", ["buffer.redis_url=[:s3cret@h:1/0"])
     assert "value is not valid YAML: while parsing a flow node" in str(err.value)
     assert "s3cret" not in str(err.value)
+
+
+def test_a_flag_and_a_section_override_holding_its_key_are_refused_together():
+    # `train cfg 'rollout={num_workers: 2}' --workers 3` ran 3 workers without a word
+    from staleflow.configs.loader import check_distinct_overrides
+
+    with pytest.raises(ConfigError, match=r"--workers 3 and the override 'rollout=\{num_workers"):
+        check_distinct_overrides(
+            ["rollout={num_workers: 2}"], {"rollout.num_workers": "--workers 3"}
+        )
+
+
+def test_a_dotted_key_inside_an_override_mapping_is_told_to_nest_it_there():
+    with pytest.raises(ConfigError, match=r"inside a mapping value a key is not dotted"):
+        parse_config("model: {preset: tiny}\n", ["learner={optimizer.lr: 0.01}"])

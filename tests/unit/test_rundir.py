@@ -326,3 +326,21 @@ def test_config_notes_what_a_local_train_would_refuse(capsys):
     assert "without --address would refuse it: rollout.resources asks for Ray custom" in err
     if "rollout.engine=vllm" in argv:
         assert "rollout.engine: vllm, but vLLM is not installed" in err
+
+
+def test_a_request_written_while_one_is_taken_stays_for_the_next_poll(tmp_path, monkeypatch):
+    # scale.json was read, then removed by name: a request written between the two (an
+    # atomic replace by another `staleflow scale`) was deleted unseen
+    run = RunDir.create(str(tmp_path), "r")
+    run.request_workers(4)
+    real = Path.read_bytes
+
+    def read_then_a_new_request(self):
+        data = real(self)
+        run.request_workers(8)  # lands as the driver reads the first
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", read_then_a_new_request)
+    assert run.take_worker_request() == 4
+    monkeypatch.undo()
+    assert run.take_worker_request() == 8
