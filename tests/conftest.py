@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +14,11 @@ from staleflow.buffer.server import RedisServer
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
+    from staleflow.buffer.server import RedisServerError, find_redis_server
+
+    try:  # (valkey-server too, as the embedded server and `make redis` take it)
+        find_redis_server()
+    except RedisServerError:
         pytest.fail(
             "redis-server is not installed: run `apt-get install redis-server` (.ci/run does)"
         )
