@@ -296,15 +296,16 @@ def _check_nothing_replaced(path: Path, overrides: tuple[str, ...]) -> None:
     """Refuse a key that a later override replaces with its whole section (overrides: then
     an axis, or two keys of one label: they apply in that order), e.g. learner.loss.epsilon_low
     before learner.loss: {name: ...}: its value was lost without a word."""
-    keys = [o.partition("=")[0] for o in overrides]
-    for i, key in enumerate(keys):
-        for later in keys[i + 1 :]:
-            if key.startswith(f"{later}."):
-                raise SweepError(
-                    f"{path}: {key} is set, then {later} is set whole (overrides: apply first, "
-                    f"then the axes in order): {key}'s value would be lost; put it inside "
-                    f"{later}'s value, or set {later} key by key"
-                )
+    from staleflow.configs.loader import key_dropped_by_section
+
+    dropped = key_dropped_by_section(overrides)
+    if dropped is not None:
+        key, later = dropped
+        raise SweepError(
+            f"{path}: {key} is set, then {later} is set whole (overrides: apply first, "
+            f"then the axes in order): {key}'s value would be lost; put it inside "
+            f"{later}'s value, or set {later} key by key"
+        )
 
 
 def _check_cells_differ(path: Path, sweep: Sweep) -> None:

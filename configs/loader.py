@@ -137,6 +137,18 @@ def apply_overrides(
     return data
 
 
+def key_dropped_by_section(overrides: Sequence[str]) -> tuple[str, str] | None:
+    """(key, section) for the first override key that a later override replaces with its
+    whole section (a mapping value drops what was set inside it), or None. Overrides apply in
+    order: a key set after its section applies on top of it, and is fine."""
+    keys = [o.partition("=")[0].strip() for o in overrides]
+    for i, key in enumerate(keys):
+        for later in keys[i + 1 :]:
+            if key.startswith(f"{later}."):
+                return key, later
+    return None
+
+
 def check_distinct_overrides(
     overrides: Sequence[str], flags: Mapping[str, str] | None = None
 ) -> None:
@@ -151,15 +163,15 @@ def check_distinct_overrides(
                 f"{key} is set twice on the command line ({redact_override(seen[key])!r} and "
                 f"{redact_override(given)!r}); keep one"
             )
-        lost = next((k for k in seen if k.startswith(f"{key}.")), None)
-        if lost is not None:  # run.steps=50 run={eval_every: 5}: run.steps was dropped
-            earlier = redact_override(seen[lost])
-            raise ConfigError(
-                f"{redact_override(given)!r} sets {key} whole, after {earlier!r} set {lost} "
-                f"inside it, which it would drop; put {lost} inside that value, or set {key} "
-                "key by key"
-            )
         seen[key] = given
+    dropped = key_dropped_by_section(overrides)
+    if dropped is not None:  # run.steps=50 run={eval_every: 5}: run.steps was dropped
+        lost, key = dropped
+        earlier, given = redact_override(seen[lost]), redact_override(seen[key])
+        raise ConfigError(
+            f"{given!r} sets {key} whole, after {earlier!r} set {lost} inside it, which it "
+            f"would drop; put {lost} inside that value, or set {key} key by key"
+        )
     for key, flag in (flags or {}).items():
         # (an override of a section holding the key, 'rollout={num_workers: 2}', sets it too)
         holder = next((k for k in seen if k == key or key.startswith(f"{k}.")), None)
