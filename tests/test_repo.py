@@ -50,6 +50,26 @@ def test_images_copy_every_package_folder():
         assert folders <= copied, (dockerfile, folders - copied)
 
 
+def test_images_copy_the_files_the_build_reads():
+    # setuptools fails to build the wheel when the readme or a license file is missing, so
+    # both must pass .dockerignore and be copied next to pyproject.toml.
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    needed = {"pyproject.toml", project["readme"], *project["license-files"]}
+    assert all((REPO / name).is_file() for name in needed), needed
+    admitted = {
+        line[1:].strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert needed <= admitted, needed - admitted
+    for dockerfile in ("docker/Dockerfile.cpu", "docker/Dockerfile.gpu"):
+        copied = re.search(r"^COPY ((?:\S+ )+)\./$", (REPO / dockerfile).read_text(), re.M)
+        assert copied, dockerfile
+        assert needed <= set(copied.group(1).split()), dockerfile
+
+
 def test_every_cited_doc_ships_with_the_repository():
     # Code, configs and docs cite docs/algorithms.md and docs/architecture.md by name; a
     # citation of a file outside the repository could not be followed by anyone who clones it.
