@@ -28,6 +28,11 @@ out=${OUT:-gpu-results}
 limit=${PART_LIMIT_S:-540}
 steps=${PIPELINE_STEPS:-20}
 python=${PYTHON:-python3}
+parts="tests quickstart pipeline-vllm pipeline-hf pipeline-ipc pipeline-mps sync vllm-load flatten"
+case " $parts all " in
+    *" $part "*) ;;
+    *) echo "bench/gpu.sh: unknown part '$part'" >&2; echo "$usage" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
 
 if ! nvidia-smi >"$out/nvidia-smi.txt" 2>&1; then
@@ -54,7 +59,9 @@ one() {
     case $1 in
         tests) STALEFLOW_REQUIRE_VLLM=1 run tests "$python" -m pytest -m gpu -q -p no:cacheprovider ;;
         quickstart)
-            run quickstart staleflow train configs/quickstart-gpu.yaml \
+            # the CLI of $python's environment, not whichever `staleflow` PATH finds first
+            run quickstart "$python" -c 'from staleflow.cluster.cli import main; raise SystemExit(main())' \
+                train configs/quickstart-gpu.yaml \
                 "run.output_dir=$out/runs" run.checkpoint_every=0
             local rc=$?
             rm -rf "$out"/runs/*/checkpoints "$out"/runs/*/redis  # hundreds of MB, not results
@@ -96,7 +103,7 @@ one() {
 
 if [ "$part" = all ]; then
     status=0
-    for p in tests quickstart pipeline-vllm pipeline-hf pipeline-ipc pipeline-mps sync vllm-load flatten; do
+    for p in $parts; do
         one "$p" || status=1
     done
     exit "$status"

@@ -1,6 +1,6 @@
 """Soak: a long run under random kills; reports memory over time and what was lost.
 
-    python bench/soak.py [--minutes 10] [--every 30] [--seed 0] [--out /tmp/soak]
+    python bench/soak.py [--minutes 10] [--every 30] [--seed 0] [--out /tmp/staleflow-soak]
 
 Runs `staleflow train` on the tiny model (lock-step, lag 1, a checkpoint every 3 steps, an
 endless step count) and, every `--every` seconds (+-50%, seeded), SIGKILLs one part chosen at
