@@ -62,9 +62,11 @@ def start_ray(
 ) -> None:
     """Join the cluster at `address` ('auto', 'ray://host:port', 'host:port') or start a local
     one on the loopback interface (actors' logs are echoed here unless `log_to_driver` is
-    False). A local one gets the machine's CPUs, or what `runs` runs of `cfg` reserve (a
-    sweep's cells side by side) if that is more, plus `SCALE_HEADROOM` so `staleflow scale`
-    can add workers (Ray CPUs are a scheduling count: the OS shares the cores)."""
+    False). A local one gets the machine's CPUs, or what `runs` runs of `cfg` reserve if that
+    is more, plus `SCALE_HEADROOM` so `staleflow scale` can add workers (Ray CPUs are a
+    scheduling count: the OS shares the cores), and `runs` times the run's object store.
+    `cfg` may be a list of configs (a sweep's cells, `runs` of them side by side): each need
+    is then the largest of any cell's."""
     if ray.is_initialized():
         return
     with _keeping_sigterm_handler():
@@ -100,10 +102,12 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool, runs: int = 1
                 "its own"
             ) from None
         return
+    cfgs = list(cfg) if isinstance(cfg, (list, tuple)) else [] if cfg is None else [cfg]
     needed = 1.0
-    if cfg is not None:
-        needed = cfg.rollout.num_workers * cfg.rollout.cpus_per_worker + cfg.learner.num_ranks
-        needed *= runs
+    if cfgs:
+        needed = runs * max(
+            c.rollout.num_workers * c.rollout.cpus_per_worker + c.learner.num_ranks for c in cfgs
+        )
     cpus = max(os.cpu_count() or 1, math.ceil(needed)) + SCALE_HEADROOM
     # "local": a Ray of this run's own even where `ray start` left a cluster on this machine
     # or $RAY_ADDRESS names one (ray.init's default joins those, and then refuses num_cpus
@@ -113,7 +117,8 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool, runs: int = 1
         "starting a Ray of this run's own (%d CPUs); --address auto joins a running cluster "
         "instead", cpus,
     )  # fmt: skip
-    store = object_store_bytes(cfg) if cfg is not None else None
+    stores = [b for b in map(object_store_bytes, cfgs) if b is not None]
+    store = runs * max(stores) if stores else None  # (None: Ray's default size)
     if store is None:
         ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)
         return
@@ -143,11 +148,12 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool, runs: int = 1
         )
     except ValueError as exc:  # Ray checks the store's size against memory and /dev/shm
         # (the GCS server it started before the check exits with this process)
+        side_by_side = f" (here for {runs} runs side by side: a smaller --parallel needs less)"
         raise RayStartError(
             f"Ray did not start with a {store >> 20} MiB object store: {exc} Set "
             "sync.object_store_mb to what this machine holds (at least 75), or, with "
             "sync.method ray and no object_store_mb, choose another sync.method: the default "
-            "store is 4 copies of the weights + 512 MiB"
+            "store is 4 copies of the weights + 512 MiB" + (side_by_side if runs > 1 else "")
         ) from None
 
 

@@ -585,21 +585,18 @@ def run_sweep(
 def _ray_for(
     sweep: Sweep, todo: list[Cell], address: str | None, parallel: int = 1
 ) -> Iterator[None]:
-    """Join `address`, or start a local Ray sized for `parallel` of the widest cell (sized for
-    one, the cells of a --parallel sweep queued for CPUs until run.start_timeout_s failed
-    them) and stop it after."""
+    """Join `address`, or start a local Ray sized for `parallel` of the largest cell, in CPUs
+    and object store each (sized for one, the cells of a --parallel sweep queued for CPUs
+    until run.start_timeout_s failed them, and shared one store), and stop it after."""
     import ray
 
     from staleflow.cluster.placement import start_ray
 
     started = not ray.is_initialized() and not address
-    widest = max(
-        (sweep.config(c) for c in todo),
-        key=lambda c: c.rollout.num_workers * c.rollout.cpus_per_worker,
-    )
     # each cell's driver.log is in its run directory; actors' output stays in Ray's session
     # directory (README, "Every run writes ...")
-    start_ray(address, widest, log_to_driver=False, runs=min(parallel, len(todo)))
+    cells = [sweep.config(c) for c in todo]
+    start_ray(address, cells, log_to_driver=False, runs=min(parallel, len(todo)))
     try:
         yield
     finally:

@@ -791,16 +791,31 @@ def test_a_parallel_sweeps_own_ray_has_cpus_for_its_cells_side_by_side(tmp_path,
         with _ray_for(sweep, sweep.cells, "127.0.0.1:1", parallel):
             pass
         assert asked.pop() == runs
-    # ... and start_ray reserves what that many runs of the widest cell need
-    cfg = sweep.config(sweep.cells[0])  # 1 worker x 1 CPU + 1 learner rank: 2 CPUs a run
+    # ... and start_ray reserves what that many runs of the largest cell need, in CPUs and
+    # in object store. The cells differ in learner ranks or store, not in rollout CPUs, by
+    # which alone the cell was once chosen (the first of each grid: 4 CPUs), and the store
+    # was one cell's (100 MiB)
     monkeypatch.undo()  # the real start_ray, with Ray itself replaced
     inits: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: inits.append(kwargs))
-    monkeypatch.setattr(placement, "object_store_bytes", lambda cfg: None)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
     monkeypatch.setattr(placement.os, "cpu_count", lambda: 2)
-    placement.start_ray(None, cfg, log_to_driver=False, runs=3)
-    assert inits[-1]["num_cpus"] == 3 * 2 + placement.SCALE_HEADROOM
+    monkeypatch.setattr(placement, "_shm_free", lambda: 0)  # (no pre-faulting)
+    for n, (grid, cpus, store_mb) in enumerate(
+        (
+            # 2 runs x (1 worker x 1 CPU + 2 learner ranks) = 6 CPUs; Ray's default store
+            ("{learner.num_ranks: [1, 2]}", 6, None),
+            # 2 runs x (1 + 1) = 4 CPUs, and 2 x the larger store, 300 MiB
+            ("{sync.object_store_mb: [100, 300]}", 4, 600),
+        )
+    ):
+        (tmp_path / str(n)).mkdir()
+        grid_sweep = load_sweep(sweep_file(tmp_path / str(n), f"grid: {grid}\n"), tmp_path / "o")
+        with _ray_for(grid_sweep, grid_sweep.cells, None, parallel=2):
+            pass
+        assert inits[-1]["num_cpus"] == cpus + placement.SCALE_HEADROOM
+        assert inits[-1].get("object_store_memory") == (store_mb and store_mb << 20)
 
 
 # A cell's `staleflow train` that, at the sweep's stop signal, ends with the exit status it
