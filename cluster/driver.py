@@ -283,7 +283,6 @@ class Driver(CheckpointMixin):
             self._learner_failed(exc)
         self.learning = None
         self._account(report)
-        c = self.counts
         if not report.trained:
             if self.schedule.lockstep and self.batch_was_complete:
                 st = self.buffer.stats()
@@ -298,6 +297,24 @@ class Driver(CheckpointMixin):
                     "not trained) groups"
                 )
             return
+        record = self._checked_step(report)
+        if (
+            report.weights is None
+            and self.sync.broadcasts
+            and self.schedule.publishes_after(self.step)
+        ):
+            self._publish()
+        self._record_step(report, record)
+        if self._eval_due(self.step):
+            self._evaluate(self.step)
+        ckpt = self.cfg.run.checkpoint_every
+        if ckpt and self.step % ckpt == 0:
+            self._checkpoint()
+        self._write_status("running")
+
+    def _checked_step(self, report: Any) -> dict[str, Any]:
+        """A trained step's record, once its version (and in lock-step its lag) agree with
+        the schedule, and its published weights (non-broadcast methods) are registered."""
         if report.version != self.step:
             raise RuntimeError(
                 f"the learner is at policy version {report.version} after the driver's step "
@@ -309,8 +326,11 @@ class Driver(CheckpointMixin):
             record["lag_expected"] = self.schedule.check_lag(self.step, m["lag_min"], m["lag_max"])
         if report.weights is not None:
             self._published(report.weights)
-        elif self.sync.broadcasts and self.schedule.publishes_after(self.step):
-            self._publish()
+        return record
+
+    def _record_step(self, report: Any, record: dict[str, Any]) -> None:
+        """The step's record in metrics.jsonl (and TensorBoard), the log and the progress bar."""
+        c = self.counts
         clock = self.clock()
         elapsed = max(clock["wall_s"], 1e-9)
         self.timeline.gap_s += self.rollouts.idle_seconds(since=self.timeline.last)
@@ -329,12 +349,6 @@ class Driver(CheckpointMixin):
         )  # fmt: skip
         if self.progress is not None:
             self.progress.step(self.step, record)
-        if self._eval_due(self.step):
-            self._evaluate(self.step)
-        ckpt = self.cfg.run.checkpoint_every
-        if ckpt and self.step % ckpt == 0:
-            self._checkpoint()
-        self._write_status("running")
 
     def _on_batch_done(self, ref: Any) -> None:
         done = self.rollouts.finished(ref)
@@ -818,6 +832,7 @@ class Driver(CheckpointMixin):
             return self._abandon_resume(status)
         self._absorb_learner_call()
         summary: dict[str, Any] = {"status": status, "steps": self.step, "run_id": self.run_id}
+        learner_ok = False
         try:
             learner_ok = self.learner is not None and self.learner_failed is None
             learner_ok = learner_ok and not self.buffer_lost  # its acks would go nowhere
@@ -830,17 +845,19 @@ class Driver(CheckpointMixin):
                         self.learner_failed = busy
             if learner_ok and self.step > 0 and self.step != self._checkpointed:
                 self._checkpoint(final=status == "completed")
+        except Exception as exc:  # the groups are still counted below, without the settle
+            summary["status"] = status = "failed"
+            learner_ok = False
+            self._failed_at_finish("could not write the final checkpoint", exc)
+        try:
             if self.buffer is not None and not self.buffer_lost:
                 if learner_ok:
                     self._count_drops(*self.learner.settle())  # no take races the counts
                 elapsed = time.time() - self.started
                 summary.update(reconcile(self.buffer.stats(), self.counts, self.flow, elapsed))
-        except BufferConnectionError as exc:  # says all there is to say: no traceback
-            logger.error("could not checkpoint or reconcile the run: %s", exc)
+        except Exception as exc:
             summary["status"] = status = "failed"
-        except Exception:
-            logger.exception("could not checkpoint or reconcile the run")
-            summary["status"] = status = "failed"
+            self._failed_at_finish("could not reconcile the run", exc)
         if self.services.placement is not None:
             summary["placement"] = self.services.placement
         summary["faults"] = self.faults
@@ -869,6 +886,19 @@ class Driver(CheckpointMixin):
                 "could not write the report; rerun `staleflow report %s`", self.rundir.path
             )
         return summary
+
+    def _failed_at_finish(self, what: str, exc: Exception) -> None:
+        """The final checkpoint or count failed: logged, and its reason in the summary (a
+        learner rank's failure as `learner_error`, anything else as `error`)."""
+        if isinstance(exc, BufferConnectionError):  # says all there is to say: no traceback
+            logger.error("%s: %s", what, exc)
+        else:
+            logger.exception("%s", what)
+        reason = redact(f"{what}: {type(exc).__name__}: {exc}")
+        if isinstance(exc, LearnerFailed):
+            self.learner_failed = self.learner_failed or reason
+        else:
+            self.error = self.error or reason
 
     def _abandon_resume(self, status: str) -> dict[str, Any]:
         """A resume stopped before its learner was restored: nothing of the run changed, so
@@ -911,6 +941,16 @@ class Driver(CheckpointMixin):
             )
             return
         self._account(report)
+        if not report.trained:
+            return
+        # its record too, as any step's (a resume keeps metrics up to the checkpoint, which
+        # holds this step: without it the curves had a gap there for good); no evaluation,
+        # checkpoint (the stop's own follows) or broadcast publish
+        try:
+            self._record_step(report, self._checked_step(report))
+        except Exception as exc:  # (the version or lag check): not a state to checkpoint
+            logger.exception("the step finished at the stop does not agree with the schedule")
+            self.learner_failed = self.learner_failed or f"step {self.step}: {exc}"
 
     def _teardown(self) -> None:
         self.services.stop()

@@ -87,6 +87,42 @@ def test_resume_lengthens_a_finished_run_with_exact_lags_and_one_record_per_step
     assert 0 < summary["learner_busy"] <= 1
 
 
+def test_a_step_finished_during_a_hard_stop_keeps_its_record(tmp_path, ray_local):
+    # A second Ctrl-C (or an error elsewhere) while the learner call for step 3 runs: that
+    # call finishes, is counted and checkpointed at the stop, but its `step` record was never
+    # written, and a resume from that checkpoint went on at step 4: a gap in the curves for
+    # good.
+    import signal
+
+    class CtrlCTwice(Driver):
+        fired = False
+
+        def _poll_control(self):
+            super()._poll_control()
+            if not self.fired and self.learning is not None and self.step == 2:
+                self.fired = True
+                self._on_stop_signal(signal.SIGINT, None)  # a clean stop asked ...
+                self._on_stop_signal(signal.SIGINT, None)  # ... and then at once
+
+    base = ["run.name=r", "run.steps=4", "run.checkpoint_every=100", ONE_WORKER]
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base])
+    run = RunDir.create(str(tmp_path), "r")
+    driver = CtrlCTwice(cfg, run)
+    summary = driver.run()
+    assert driver.fired
+    assert (summary["status"], summary["steps"]) == ("interrupted", 3)
+    assert_reconciled(summary)
+    assert (run.checkpoints / "LATEST").read_text().strip() == "step-000003"
+    records = list(read_metrics(run.metrics))
+    assert [r["step"] for r in steps_of(records)] == [1, 2, 3]
+    # checked against the schedule like any step's
+    assert steps_of(records)[2]["lag_min"] == steps_of(records)[2]["lag_expected"]
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *base])
+    assert Driver(cfg, RunDir(run.path), resume=True).run()["status"] == "completed"
+    assert [r["step"] for r in steps_of(list(read_metrics(run.metrics)))] == [1, 2, 3, 4]
+
+
 def test_resuming_a_replay_run_from_a_checkpoint_older_than_its_replay_counts(tmp_path, ray_local):
     # Checkpoints written before the schedule counted replays apart (Flow.replayed) hold
     # trainings that include replays: resumed as 0 replays, the count of groups not trained
@@ -157,6 +193,29 @@ def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(
     resumed = [r for r in read_metrics(run.metrics) if r["kind"] == "resume"]
     assert resumed[0]["recovered"] >= 4  # the 2 x 2 held groups (and any staged)
     assert [r["step"] for r in steps_of(read_metrics(run.metrics))] == [1, 2, 3, 4]
+
+
+def test_a_final_checkpoint_that_fails_is_named_in_the_summary(tmp_path, ray_local, monkeypatch):
+    # The run's only checkpoint is its last (injected failure): the summary said "failed"
+    # with no reason (the traceback only in driver.log) and counted no group.
+    def fails(self, final=False):
+        raise RuntimeError("injected: no space left on device")
+
+    monkeypatch.setattr(Driver, "_checkpoint", fails)
+    _cfg, run, summary, _ = run_driver(
+        tmp_path, "run.name=f", "run.steps=2", "run.checkpoint_every=100", ONE_WORKER
+    )
+    assert summary["status"] == "failed"
+    assert summary["error"] == (
+        "could not write the final checkpoint: RuntimeError: injected: no space left on device"
+    )
+    # still counted: the groups trained were never acked (that happens at a checkpoint), so
+    # they are left in the buffer (2 steps x 2 groups)
+    groups = summary["groups"]
+    assert groups["reconciled"]
+    assert (groups["pushed"], groups["trained"], groups["left_in_buffer"]) == (4, 0, 4)
+    assert "resume" not in summary  # no checkpoint to resume from
+    assert json.loads((run.path / "summary.json").read_text())["error"] == summary["error"]
 
 
 def test_a_crash_after_the_learner_checkpoint_before_latest_loses_no_group(
