@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 from staleflow.buffer.connection import BufferConnectionError
 from staleflow.buffer.server import RedisServerError
 from staleflow.cluster.evaluations import Evaluations
-from staleflow.cluster.failures import BatchStalled, LearnerFailed, rank_error
+from staleflow.cluster.failures import BatchStalled, LearnerFailed, rank_error, remote_cause
 from staleflow.cluster.ledger import Counts, Timeline, accuracy_fields, reconcile
 from staleflow.cluster.resources import ipc_scale_refusal, scale_placement_refusal
 from staleflow.cluster.resume import CheckpointMixin, Resume, load_resume, versions_in_use
@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 # Seconds one learner call waits for its batch before it returns short and is made again.
 # A lock-step call made after its batch was complete that comes back short is an error.
 LEARNER_WAIT_S, COMPLETE_BATCH_WAIT_S = 2.0, 30.0
+# Broadcast methods: how long a publish waits for its members' pings (`_drop_dead_members`).
+MEMBER_PING_S = 10.0
 
 
 @dataclass
@@ -413,6 +415,7 @@ class Driver(CheckpointMixin):
         member's death also fails learner rank 0's call, and the run stopped."""
         if self.sync.broadcasts:
             self._wait_for_members()
+            self._drop_dead_members()
         if self._deferred_workers is not None:  # broadcast: new workers join at a publish
             self._scale(self._deferred_workers)
             self._deferred_workers = None
@@ -428,6 +431,31 @@ class Driver(CheckpointMixin):
         replaced, and nothing else would end it (the broadcast would wait for it)."""
         while self.learning is None and self._members_busy():
             self._wait()
+
+    def _drop_dead_members(self) -> None:
+        """Broadcast methods, before a publish: a member that died while idle (between two
+        calls, which is how a lock-step worker spends each learner step) had no call in
+        flight to report it, and the broadcast would include it: the collective fails, and
+        learner rank 0's call with it, which stopped the run as a learner failure. Each
+        member is pinged (an empty actor call); one whose ping fails is dead and lost like a
+        worker lost mid-batch (replaced at this publish). One that has not answered within
+        MEMBER_PING_S (still starting, or busy) is left to the broadcast's own limits."""
+        import ray
+
+        members = [s for s in self.pool.slots if not s.retiring]
+        pings = {s.handle.__ray_ready__.remote(): s for s in members}
+        done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=MEMBER_PING_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                slot = pings[ref]
+                cause = remote_cause(exc)
+                error = f"rollout worker {slot.index} died while idle: {type(cause).__name__}"
+                logger.warning("%s; replacing it at this publish", error)
+                self.metrics.write("fault", self.step, what="rollout worker", error=error,
+                                   wall_s=time.time() - self.started)  # fmt: skip
+                self._lose_worker(slot)
 
     def _lose_worker(self, slot: Any) -> None:
         """Broadcast methods: a member's evaluation hung or its worker died: forget the worker

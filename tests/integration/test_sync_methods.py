@@ -193,6 +193,40 @@ def test_a_learner_rank_dying_in_a_broadcast_stops_the_run_resumably(
     assert resumed["groups"]["reconciled"]
 
 
+def test_a_broadcast_member_dying_while_idle_is_replaced_not_a_learner_failure(tmp_path, ray_local):
+    # A lock-step worker spends each learner step idle, with no call in flight to report its
+    # death: the next broadcast included the dead member, gloo failed learner rank 0's call
+    # ("Connection reset by peer") and the run stopped as a learner failure, without its
+    # final checkpoint. Killed for real, as step 2's learner call returns.
+    import ray
+
+    class IdleDeath(Driver):
+        killed = None
+
+        def _on_learner_done(self):
+            if self.killed is None and self.step == 1:
+                slot = self.pool.slots[1]
+                assert not slot.busy, slot.queue  # idle: nothing in flight would tell
+                ray.kill(slot.handle)
+                self.killed = slot.index
+            return super()._on_learner_done()
+
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", "run.name=g", "run.steps=4",
+                              "rollout.num_workers=2", "sync.method=gloo"])  # fmt: skip
+    run = RunDir.create(str(tmp_path), "g")
+    driver = IdleDeath(cfg, run)
+    summary = driver.run()
+    assert driver.killed == 1
+    assert summary["status"] == "completed", summary
+    assert summary["groups"]["reconciled"], summary["groups"]
+    assert "learner_error" not in summary
+    records = list(read_metrics(run.metrics))
+    faults = [r for r in records if r["kind"] == "fault"]
+    assert [r["error"] for r in faults] == ["rollout worker 1 died while idle: ActorDiedError"]
+    assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]  # its replacement
+    assert [r["step"] for r in steps_of(records)] == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("method", ["gloo", "ipc"])
 def test_async_run_reconciles_with_each_sync_method(tmp_path, ray_local, method):
     _cfg, _run, summary, records = run_driver(
