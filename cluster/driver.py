@@ -546,7 +546,7 @@ class Driver(CheckpointMixin):
                 status = "completed"
                 if self.step not in self.accuracy:  # a resume after the final evaluation
                     self._evaluate(self.step)
-            self._drain()
+            self._drain(checkpoint_first=status == "interrupted")
         except KeyboardInterrupt:
             status = "interrupted"
         except LearnerFailed as exc:
@@ -691,8 +691,12 @@ class Driver(CheckpointMixin):
         )
         raise LearnerFailed(self.learner_failed)
 
-    def _drain(self) -> None:
-        """Finish the step and evaluations in flight; let no rollout batch push afterwards."""
+    def _drain(self, checkpoint_first: bool = False) -> None:
+        """Finish the step and evaluations in flight; let no rollout batch push afterwards.
+        With `checkpoint_first` (a stop asked for) the checkpoint is written before the
+        evaluations are waited for (up to rollout.batch_timeout_s): a grace period (Slurm's,
+        Kubernetes' 30 s) may end meanwhile; an evaluation of the checkpoint's step that the
+        stop cuts short is made again at the resume."""
         import ray
 
         self._draining = True
@@ -707,6 +711,9 @@ class Driver(CheckpointMixin):
             else:
                 self._rank_returned(done[0])
         refs = self.evaluations.refs
+        if checkpoint_first and refs and 0 < self.step != self._checkpointed:
+            logger.info("checkpointing before waiting for %d evaluation(s) in flight", len(refs))
+            self._checkpoint()
         if refs:  # bounded like a batch: a hung evaluation must not hold up the shutdown
             limit = self.cfg.rollout.batch_timeout_s
             done, late = ray.wait(refs, num_returns=len(refs), timeout=limit)

@@ -36,3 +36,11 @@ def expected(meta: dict, text: str) -> float:
     """The prompt's own `expect` field, whatever the response: a test knows each prompt's
     score in advance."""
     return float(meta["expect"])
+
+
+def slow_once_marked(meta: dict, text: str) -> float:
+    """The response's length, at once until the file `meta['marker']` exists, then after
+    `meta['sleep_s']` seconds a response: a test makes what runs after a point slow."""
+    if os.path.exists(meta["marker"]):
+        time.sleep(float(meta["sleep_s"]))
+    return float(len(text))

@@ -195,6 +195,41 @@ def test_resume_after_a_crash_retrains_the_held_groups_in_the_same_order(
     assert [r["step"] for r in steps_of(read_metrics(run.metrics))] == [1, 2, 3, 4]
 
 
+def test_a_stop_checkpoints_before_it_waits_for_an_evaluation(tmp_path, ray_local):
+    # A clean stop waited up to rollout.batch_timeout_s for the evaluations in flight and only
+    # then checkpointed: a grace period (Kubernetes' 30 s) could end with no checkpoint.
+    # Here step 2's evaluation is slow (its rewards sleep 0.2 s a response, from the marker
+    # made as it starts), and the stop is asked for as it starts.
+    import signal
+
+    marker = tmp_path / "slow"
+    rows = [{"prompt": f"Say something #{i}", "marker": str(marker), "sleep_s": 0.2}
+            for i in range(80)]  # fmt: skip
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    class StopsAsStep2IsEvaluated(Driver):
+        def _evaluate(self, step):
+            if step == 2:
+                marker.touch()
+            super()._evaluate(step)
+            if step == 2:
+                self._on_stop_signal(signal.SIGINT, None)
+
+    cfg = parse_config(TINY, [
+        f"run.output_dir={tmp_path}", "run.name=e", "run.steps=6", "run.eval_every=2",
+        "run.checkpoint_every=100", "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
+        "task.reward_fn=tests.integration.rewards:slow_once_marked", "task.eval_prompts=4",
+    ])  # fmt: skip
+    run = RunDir.create(str(tmp_path), "e")
+    summary = StopsAsStep2IsEvaluated(cfg, run).run()
+    assert (summary["status"], summary["steps"]) == ("interrupted", 2)
+    assert_reconciled(summary)
+    order = [(r["kind"], r["step"]) for r in read_metrics(run.metrics)
+             if r["kind"] in ("checkpoint", "eval")]  # fmt: skip
+    # the stop's checkpoint first; the evaluation still waited for, and recorded, after it
+    assert order == [("eval", 0), ("checkpoint", 2), ("eval", 2)]
+
+
 def test_a_final_checkpoint_that_fails_is_named_in_the_summary(tmp_path, ray_local, monkeypatch):
     # The run's only checkpoint is its last (injected failure): the summary said "failed"
     # with no reason (the traceback only in driver.log) and counted no group.
