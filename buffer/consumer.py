@@ -234,13 +234,20 @@ class Consumer:
             return reply
 
     @translate_errors
-    def hold(self, n: int) -> None:
+    def hold(self, receipts: Sequence[Receipt]) -> None:
         """See ReplayBuffer.hold."""
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"hold(n): n must be a count of taken groups (an int >= 0), got {n!r}")
-        if n > 0:  # one token per hold: a retry after a lost reply counts nothing twice
+        if not isinstance(receipts, list | tuple) or not all(
+            isinstance(r, Receipt) for r in receipts
+        ):
+            raise ValueError(
+                f"hold(receipts): the receipts of taken groups, got {type(receipts).__name__}"
+            )
+        if receipts:  # one token per hold: a retry after a lost reply counts nothing twice
             status = self.keys.hold_status(next(self._ack_tokens))
-            self._hold(keys=[self.keys.stats, status], args=[n, scripts.STATUS_TTL_S])
+            self._hold(
+                keys=[self.keys.stats, status, self.keys.uses],
+                args=[scripts.STATUS_TTL_S, self.max_reuse, *(r.entry_id for r in receipts)],
+            )
 
     @translate_errors
     def recover(self) -> int:

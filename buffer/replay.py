@@ -237,11 +237,13 @@ class ReplayBuffer:
         """
         return self._consumer.ack(receipts, held)
 
-    def hold(self, n: int) -> None:
-        """`n` taken groups are trained but stay pending until a checkpoint makes the step
-        durable (then `ack(..., held=True)`): they stop counting against the capacity, and a
-        learner restarted from the checkpoint gets them again (`recover`)."""
-        self._consumer.hold(n)
+    def hold(self, receipts: Sequence[Receipt]) -> None:
+        """These taken groups are trained but stay pending until a checkpoint makes the step
+        durable (then `ack(receipts, held=True)`): those the ack will delete (with replay
+        sampling, only those at their last use: the others stay in the stream as replays)
+        stop counting against the capacity, and a learner restarted from the checkpoint gets
+        them all again (`recover`)."""
+        self._consumer.hold(receipts)
 
     def recover(self) -> int:
         """After a learner restart: every entry delivered and not acked (to any consumer,

@@ -136,9 +136,9 @@ end
 """
 
 # KEYS: stream, stats, uses, replay zset, replay-pending hash, trained-by-version, this ack's
-# status key.  ARGV: group name, max_reuse, held ('1': these were counted in 'held', which
-# drops by the number acked), the ack's token (named in its status key), then (entry id,
-# version, is_replay) triples.
+# status key.  ARGV: group name, max_reuse, held ('1': these were held, and 'held' drops by
+# the number deleted, those HOLD counted), the ack's token (named in its status key), then
+# (entry id, version, is_replay) triples.
 # Only an ack of something actually pending counts, so acking twice is harmless. Counters,
 # deletions and replay scores go out once per ack, not once per entry (_IN_CHUNKS): an ack of
 # 8 took 28-36 us of server time instead of 34-37 us (bench/buffer.py, five runs each). An ack
@@ -175,8 +175,8 @@ in_chunks('XDEL', KEYS[1], delete)
 in_chunks('HDEL', KEYS[3], delete)
 if reused > 0 then redis.call('HINCRBY', KEYS[2], 'reused', reused) end
 redis.call('HINCRBY', KEYS[2], 'acked', acked)
-if ARGV[3] == '1' and acked > 0 then
-  local held = redis.call('HINCRBY', KEYS[2], 'held', -acked)
+if ARGV[3] == '1' and #delete > 0 then  -- (HOLD counted those the ack deletes)
+  local held = redis.call('HINCRBY', KEYS[2], 'held', -#delete)
   if held < 0 then redis.call('HSET', KEYS[2], 'held', 0) end
 end
 redis.call('SET', KEYS[7], acked, 'EX', """
@@ -186,12 +186,21 @@ return acked
 """
 )
 
-# KEYS: stats, this hold's status key.  ARGV: groups held, status ttl.
-# Counts `n` trained groups as held (out of the capacity until their ack). The status key makes
-# a resend (its reply was lost and the client retried) count nothing twice.
+# KEYS: stats, this hold's status key, uses.  ARGV: status ttl, max_reuse, then entry ids.
+# Counts as held (out of the capacity until their ack) the trained entries their ack will
+# delete, by ACK's rule: every one when max_reuse is 1, else those at their last use. One
+# that stays in the stream as a replay still takes its room; counted held, its room went to a
+# push and the commit left the stream over capacity. The status key makes a resend (its reply
+# was lost and the client retried) count nothing twice.
 HOLD = """
-if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[2]) then
-  redis.call('HINCRBY', KEYS[1], 'held', ARGV[1])
+if redis.call('SET', KEYS[2], 1, 'NX', 'EX', ARGV[1]) then
+  local max_reuse, n = tonumber(ARGV[2]), 0
+  for i = 3, #ARGV do
+    local uses = 1
+    if max_reuse ~= 1 then uses = tonumber(redis.call('HGET', KEYS[3], ARGV[i]) or '0') + 1 end
+    if uses >= max_reuse then n = n + 1 end
+  end
+  if n > 0 then redis.call('HINCRBY', KEYS[1], 'held', n) end
 end
 return 1
 """

@@ -111,7 +111,7 @@ class BatchFeed:
 
     def hold(self, batch: Batch) -> None:
         """The batch is trained: ack it with the next `commit` (a checkpoint made it durable)."""
-        self.buffer.hold(len(batch.receipts))
+        self.buffer.hold(batch.receipts)
         self.held.extend(batch.receipts)
 
     def commit(self) -> int:

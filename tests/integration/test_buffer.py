@@ -195,11 +195,11 @@ def test_a_hold_sent_again_after_a_lost_reply_counts_once(redis_url, monkeypatch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(buffer.client, "execute_command", sent_twice)
-    buffer.hold(2)
+    buffer.hold(taken.receipts)
     monkeypatch.undo()
     assert buffer.stats().held == 2
-    for bad in (-1, 1.5, "2", True):  # -1 did nothing silently, 1.5 was a raw Lua error
-        with pytest.raises(ValueError, match=r"hold\(n\): n must be a count"):
+    for bad in (2, "ab", [1], None):  # (a count, as hold once took, is refused)
+        with pytest.raises(ValueError, match=r"hold\(receipts\): the receipts of taken groups"):
             buffer.hold(bad)
     assert buffer.stats().held == 2
     buffer.push_many([group(prompt="a"), group(prompt="b")])  # 6 stored - 2 held = 4: full
@@ -261,10 +261,36 @@ def test_a_waiting_replay_take_never_hands_out_the_same_replay_twice(redis_url):
     taken = buffer.take(4, learner_version=0, timeout_s=2.0)
     late.join()
     assert sorted(g.prompt_id for g in taken.groups) == ["X", "Y", "Z"]
-    buffer.hold(len(taken.receipts))
+    buffer.hold(taken.receipts)
     assert buffer.ack(taken.receipts, held=True) == 3
     stats = buffer.stats()
     assert (stats.held, stats.acked, stats.reused, stats.replays_pending) == (0, 4, 1, 0)
+
+
+def test_held_replays_keep_their_room_until_their_last_use(redis_url):
+    # With replay sampling an ack deletes a group only at its last use (max_reuse); before
+    # that it stays in the stream as a replay. Every held group was counted out of the
+    # capacity, so producers filled its room and the checkpoint's ack left the stream over
+    # capacity (review: capacity 4, length 8). Only groups the ack will delete are held now.
+    buffer = ReplayBuffer(redis_url, "run", capacity=2, sampling="replay", max_reuse=2,
+                          push_timeout_s=0.2)  # fmt: skip
+    buffer.push_many([group(prompt="a"), group(prompt="b")])
+    first = buffer.take(2, 0)
+    buffer.hold(first.receipts)  # first uses of 2: both stay as replays after their ack
+    assert buffer.stats().held == 0
+    with pytest.raises(BufferFullError):
+        buffer.push(group(prompt="c"))
+    assert buffer.ack(first.receipts, held=True) == 2
+    again = buffer.take(2, 1)
+    assert [r.replay for r in again.receipts] == [True, True]
+    buffer.hold(again.receipts)  # their last uses: the ack deletes them, their room is free
+    assert buffer.stats().held == 2
+    buffer.push_many([group(prompt="c"), group(prompt="d")])
+    with pytest.raises(BufferFullError):
+        buffer.push(group(prompt="e"))
+    assert buffer.ack(again.receipts, held=True) == 2
+    stats = buffer.stats()
+    assert (stats.held, stats.length, stats.capacity) == (0, 2, 2)
 
 
 def test_an_ack_racing_a_reclaim_does_not_hand_the_acked_group_out_again(redis_url):
@@ -347,11 +373,11 @@ def test_held_groups_leave_the_capacity_and_come_back_to_a_restarted_learner(red
     for i in range(4):
         producer.push(group(prompt=str(i)))
     learner = ReplayBuffer(redis_url, "run", consumer="learner", capacity=4)
-    _trained, ids = take_all(learner, 2)
+    trained, ids = take_all(learner, 2)
     assert ids == ["0", "1"]
     with pytest.raises(BufferFullError):
         producer.push(group(prompt="4"))  # 4 stored of 4: trained but unacked still count
-    learner.hold(2)
+    learner.hold(trained.receipts)
     assert learner.stats().held == 2
     producer.push(group(prompt="4"))  # 4 stored, 2 of them held: room for 2
     producer.push(group(prompt="5"))
@@ -382,7 +408,7 @@ def test_an_ack_of_thousands_at_a_checkpoint_counts_each_group_once(redis_url, m
         buffer.push_many([group(version=i % 2, prompt=str(i)) for i in range(start, start + 250)])
     taken = buffer.take(n, learner_version=1)
     assert len(taken.groups) == n
-    buffer.hold(n)
+    buffer.hold(taken.receipts)
     assert buffer.ack(taken.receipts, held=True) == n
     assert buffer.ack(taken.receipts, held=True) == 0  # again: nothing was pending
     stats = buffer.stats()
@@ -1364,11 +1390,11 @@ def test_a_held_replay_is_not_reclaimed_while_it_waits_for_its_checkpoint(redis_
     buffer = ReplayBuffer(redis_url, "run", sampling="replay", max_reuse=3, claim_idle_s=0.4)
     buffer.push(group(prompt="a"))
     first = buffer.take(1, 0)
-    buffer.hold(1)
+    buffer.hold(first.receipts)
     assert buffer.ack(first.receipts, held=True) == 1  # checkpoint 1
     replay = buffer.take(1, 1)  # step 2 trains it as a replay, held until checkpoint 2
     assert [r.replay for r in replay.receipts] == [True]
-    buffer.hold(1)
+    buffer.hold(replay.receipts)
     time.sleep(0.6)  # past claim_idle_s: the next take's reclaim runs
     buffer.push(group(prompt="b"))
     later = buffer.take(2, 2, timeout_s=0.3)  # only "b": "a" is still out with step 2
