@@ -115,15 +115,16 @@ class LearnerRank:
         asked. Every rank is called at once; rank 0 returns the report."""
         version = self.learner.version
         t0 = time.perf_counter()
-        batch, failure = None, None
+        batch, failure, doing = None, None, "take its batch"
         if self.rank == 0:
             try:
                 batch = self.feed.next(version, wait_s) if self.feed is not None else None
                 if batch is not None and self.trajectories is not None:
+                    doing = "record the batch's trajectories"
                     self.trajectories.record(version + 1, version, batch.groups)
             except Exception as exc:  # every rank must leave the collective below together
                 failure = exc
-        groups = self._share(batch.groups if batch is not None else None, failure)
+        groups = self._share(batch.groups if batch is not None else None, failure, doing)
         stale, invalid, replays_dropped = (0, 0, 0) if self.feed is None else self.feed.drops()
         if groups is None:
             return StepReport(False, version, dropped_stale=stale, dropped_invalid=invalid,
@@ -158,19 +159,22 @@ class LearnerRank:
         )  # fmt: skip
 
     def _share(
-        self, groups: list[Group] | None, failure: BaseException | None = None
+        self,
+        groups: list[Group] | None,
+        failure: BaseException | None = None,
+        doing: str = "take its batch",
     ) -> list[Group] | None:
         """Rank 0's groups (or None: not enough yet) on every rank, over the learner's own
         process group; the groups were validated by rank 0's decoder. A failure on rank 0
-        is raised on every rank, so none waits in a collective for it."""
+        (while it did `doing`) is raised on every rank, so none waits in a collective for it."""
         if self.world_size > 1:
             import torch.distributed as dist
 
-            box: list[Any] = [("error", repr(failure)) if failure else ("ok", groups)]
+            box: list[Any] = [("error", f"{doing}: {failure!r}") if failure else ("ok", groups)]
             dist.broadcast_object_list(box, src=0)
             kind, payload = box[0]
             if kind == "error" and failure is None:
-                raise RuntimeError(f"learner rank 0 failed to take its batch: {payload}")
+                raise RuntimeError(f"learner rank 0 failed to {payload}")
             groups = payload
         if failure is not None:
             raise failure

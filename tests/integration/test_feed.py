@@ -39,3 +39,30 @@ def test_a_batch_take_time_counts_the_waits_of_the_calls_that_came_back_short(
         assert second.take_s == 1.0  # the waits were the first batch's, not carried on
     finally:
         feed.close()
+
+
+def test_a_failed_last_prefetch_does_not_fail_the_runs_settle(redis_url, monkeypatch, caplog):
+    # The last step starts a prefetch for a step that never runs; its take failing (the
+    # buffer unreachable) was raised by settle() after the final checkpoint, and the driver
+    # marked the completed run failed. Injected: every take from the second on fails.
+    from staleflow.buffer.connection import BufferConnectionError
+
+    buffer = ReplayBuffer(redis_url, "run")
+    feed = BatchFeed(buffer, size=1)
+    try:
+        buffer.push(group(prompt="a"))
+        real, calls = buffer.take, itertools.count()
+
+        def fails_after_the_first(*args, **kwargs):
+            if next(calls):
+                raise BufferConnectionError("injected: Redis unreachable after retrying")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(buffer, "take", fails_after_the_first)
+        assert feed.next(0, wait_s=0.0) is not None  # the last step's batch
+        feed.prefetch(1, wait_s=0.0)  # for a step that will not run, and it fails
+        assert feed.settle() == (0, 0, 0)
+        assert "the last prefetch (for a step not run) failed" in caplog.text
+        assert "injected: Redis unreachable" in caplog.text
+    finally:
+        feed.close()
