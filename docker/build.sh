@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build docker/Dockerfile.cpu with podman and smoke-test it: `staleflow train configs/tiny.yaml`
-# runs inside the image, completes, reconciles every group and learns. Also builds the `wheel`
-# stage of docker/Dockerfile.gpu (the stage that needs no CUDA base). `make image` and CI run it.
+# runs inside the image, completes, reconciles every group and learns; a second run, stopped
+# with `podman stop`, ends cleanly (SIGTERM through tini, exit 143, resumable). Also builds
+# the `wheel` stage of docker/Dockerfile.gpu (the stage that needs no CUDA base). `make image`
+# and CI run it.
 #
 # No registry and no Docker daemon are needed: the Debian base is made locally with
 # debootstrap and tagged with the name the Dockerfiles' FROM uses. With Docker and a registry,
@@ -95,6 +97,35 @@ print(f"in the image: {s['status']}, {s['steps']} steps, held-out reward "
 assert s["status"] == "completed", s["status"]
 assert g["reconciled"] and g["duplicates"] == 0, g
 assert last["reward_mean"] > first["reward_mean"], "the tiny run did not learn in the image"
+PY
+
+step "stop test: \`podman stop\` (SIGTERM, through the image's tini) stops a run cleanly"
+# The image's own entry point, as `docker run IMAGE train ...` uses it: the run must end
+# interrupted by SIGTERM, with a checkpoint to resume from and its groups reconciled.
+cid=$(podman run -d --shm-size=1g "$IMAGE" train configs/tiny.yaml run.name=stop \
+  run.steps=100000 run.eval_every=0)
+trap 'podman rm -f "$cid" >/dev/null 2>&1 || true' EXIT
+count_steps='import json; print(sum(json.loads(line)["kind"] == "step" for line in open("runs/stop/metrics.jsonl")))'
+steps=0
+for _ in $(seq 300); do  # a few steps done: the run is past its start
+  steps=$(podman exec "$cid" python -c "$count_steps" 2>/dev/null || echo 0)
+  [ "$steps" -ge 3 ] || [ "$(podman inspect -f '{{.State.Running}}' "$cid")" != true ] && break
+  sleep 1
+done
+podman stop -t 120 "$cid" >/dev/null
+rc=$(podman wait "$cid")
+summary=$(podman cp "$cid:/opt/staleflow/runs/stop/summary.json" - | tar -xO)
+podman rm "$cid" >/dev/null
+trap - EXIT
+RC="$rc" STEPS="$steps" SUMMARY="$summary" python3 - <<'PY'
+import json, os
+s, rc = json.loads(os.environ["SUMMARY"]), int(os.environ["RC"])
+print(f"stopped after {os.environ['STEPS']}+ steps: exit {rc}, {s['status']} by "
+      f"{s.get('stopped_by')} at step {s['steps']}, resume: {s.get('resume')!r}, "
+      f"reconciled {s['groups']['reconciled']}")
+assert rc == 128 + 15, f"exit {rc}, not 143 (128 + SIGTERM): the stop was not clean"
+assert (s["status"], s.get("stopped_by")) == ("interrupted", "SIGTERM"), s
+assert s.get("resume") and s["groups"]["reconciled"], s
 PY
 
 step "docker/Dockerfile.gpu, stage 'wheel' (the CUDA stage needs nvidia/cuda, not here)"
