@@ -31,6 +31,12 @@ def test_top_level_layout():
         assert (REPO / name).exists(), name
 
 
+def _admitted_by_dockerignore() -> set[str]:
+    """The paths .dockerignore lets into the build context (its `!` lines)."""
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return {line[1:].strip() for line in lines if line.startswith("!")}
+
+
 def test_images_copy_every_package_folder():
     # A package folder added to pyproject.toml but not to the Dockerfiles (or let through
     # .dockerignore) would build an image that fails at its first import.
@@ -39,11 +45,7 @@ def test_images_copy_every_package_folder():
     folders = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-dir"
     ].values())  # fmt: skip
-    admitted = {
-        line[1:].strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
-        if line.startswith("!")
-    }
+    admitted = _admitted_by_dockerignore()
     assert folders <= admitted, folders - admitted
     for dockerfile in ("docker/Dockerfile.cpu", "docker/Dockerfile.gpu"):
         copied = set(re.findall(r"^COPY (\w+) \1$", (REPO / dockerfile).read_text(), re.M))
@@ -58,11 +60,7 @@ def test_images_copy_the_files_the_build_reads():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     needed = {"pyproject.toml", project["readme"], *project["license-files"]}
     assert all((REPO / name).is_file() for name in needed), needed
-    admitted = {
-        line[1:].strip()
-        for line in (REPO / ".dockerignore").read_text().splitlines()
-        if line.startswith("!")
-    }
+    admitted = _admitted_by_dockerignore()
     assert needed <= admitted, needed - admitted
     for dockerfile in ("docker/Dockerfile.cpu", "docker/Dockerfile.gpu"):
         copied = re.search(r"^COPY ((?:\S+ )+)\./$", (REPO / dockerfile).read_text(), re.M)
