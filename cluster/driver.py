@@ -299,14 +299,20 @@ class Driver(CheckpointMixin):
                     "not trained) groups"
                 )
             return
-        record = self._checked_step(report)
-        if (
-            report.weights is None
-            and self.sync.broadcasts
-            and self.schedule.publishes_after(self.step)
-        ):
-            self._publish()
-        self._record_step(report, record)
+        try:
+            record = self._checked_step(report)
+        except Exception as exc:  # counted, but not a state to checkpoint (as at the stop)
+            self.learner_failed = self.learner_failed or f"step {self.step}: {exc}"
+            raise
+        try:  # (a broadcast waits for its members first: a second Ctrl-C may land there)
+            if (
+                report.weights is None
+                and self.sync.broadcasts
+                and self.schedule.publishes_after(self.step)
+            ):
+                self._publish()
+        finally:  # the step is counted (and will be checkpointed): its record, always
+            self._record_step(report, record)
         if self._eval_due(self.step):
             self._evaluate(self.step)
         ckpt = self.cfg.run.checkpoint_every
@@ -439,10 +445,12 @@ class Driver(CheckpointMixin):
         learner rank 0's call with it, which stopped the run as a learner failure. Each
         member is pinged (an empty actor call); one whose ping fails is dead and lost like a
         worker lost mid-batch (replaced at this publish). One that has not answered within
-        MEMBER_PING_S (still starting, or busy) is left to the broadcast's own limits."""
+        MEMBER_PING_S (busy) is left to the broadcast's own limits."""
         import ray
 
-        members = [s for s in self.pool.slots if not s.retiring]
+        # (one still starting is left to the publish's own wait for it, which reports a
+        # constructor's error as it is)
+        members = [s for s in self.pool.slots if not s.retiring and s.ready is None]
         pings = {s.handle.__ray_ready__.remote(): s for s in members}
         done, _ = ray.wait(list(pings), num_returns=len(pings), timeout=MEMBER_PING_S)
         for ref in done:

@@ -3,6 +3,7 @@ real Ray (the session's `ray_local`, 8 CPUs, no GPU), real Redis, real DeepSpeed
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -225,6 +226,55 @@ def test_a_broadcast_member_dying_while_idle_is_replaced_not_a_learner_failure(t
     assert [r["error"] for r in faults] == ["rollout worker 1 died while idle: ActorDiedError"]
     assert [r["workers"] for r in records if r["kind"] == "scale"] == [2]  # its replacement
     assert [r["step"] for r in steps_of(records)] == [1, 2, 3, 4]
+
+
+def test_a_second_ctrl_c_while_a_broadcast_waits_keeps_the_steps_record(tmp_path, ray_local):
+    # The step's broadcast publish (which first waits for its members) came before the step's
+    # record: a second Ctrl-C in that wait left step 2 counted and checkpointed with no
+    # record, and the resume went on at step 3 (records [1, 3, 4]).
+    import signal
+
+    class CtrlCTwiceInPublish(Driver):
+        fired = False
+
+        def _wait_for_members(self):
+            if not self.fired and self.step == 2 and not self._draining:
+                self.fired = True
+                self._on_stop_signal(signal.SIGINT, None)
+                self._on_stop_signal(signal.SIGINT, None)  # raises KeyboardInterrupt
+            super()._wait_for_members()
+
+    args = ["run.name=g", "run.steps=4", "run.checkpoint_every=100", "sync.method=gloo"]
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args, ONE_WORKER])
+    run = RunDir.create(str(tmp_path), "g")
+    driver = CtrlCTwiceInPublish(cfg, run)
+    summary = driver.run()
+    assert driver.fired
+    assert (summary["status"], summary["steps"]) == ("interrupted", 2)
+    assert [r["step"] for r in steps_of(list(read_metrics(run.metrics)))] == [1, 2]
+    assert Driver(cfg, RunDir(run.path), resume=True).run()["status"] == "completed"
+    assert [r["step"] for r in steps_of(list(read_metrics(run.metrics)))] == [1, 2, 3, 4]
+
+
+def test_a_step_that_fails_its_lag_check_is_not_checkpointed(tmp_path, ray_local, monkeypatch):
+    # A step whose lag (or version) disagrees with the schedule stops the run; its state was
+    # still written as the final checkpoint, to be resumed from.
+    from staleflow.cluster.schedule import Schedule
+
+    real = Schedule.check_lag
+
+    def check_lag(self, step, lag_min, lag_max):
+        if step == 2:
+            raise RuntimeError("injected: lag disagrees")
+        return real(self, step, lag_min, lag_max)
+
+    monkeypatch.setattr(Schedule, "check_lag", check_lag)
+    with pytest.raises(RuntimeError, match="injected"):
+        run_driver(tmp_path, "run.name=c", "run.steps=4", "run.checkpoint_every=100", ONE_WORKER)
+    run = RunDir(tmp_path / "c")
+    assert not (run.checkpoints / "LATEST").exists()
+    summary = json.loads((run.path / "summary.json").read_text())
+    assert summary["learner_error"] == "step 2: injected: lag disagrees"
 
 
 @pytest.mark.parametrize("method", ["gloo", "ipc"])
