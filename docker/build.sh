@@ -104,7 +104,8 @@ step "stop test: \`podman stop\` (SIGTERM, through the image's tini) stops a run
 # interrupted by SIGTERM, with a checkpoint to resume from and its groups reconciled.
 cid=$(podman run -d --shm-size=1g "$IMAGE" train configs/tiny.yaml run.name=stop \
   run.steps=100000 run.eval_every=0)
-trap 'podman rm -f "$cid" >/dev/null 2>&1 || true' EXIT
+# on a failure below: the container's last output, then it goes
+trap 'podman logs --tail 100 "$cid" >&2 || true; podman rm -f "$cid" >/dev/null 2>&1 || true' EXIT
 count_steps='import json; print(sum(json.loads(line)["kind"] == "step" for line in open("runs/stop/metrics.jsonl")))'
 steps=0
 for _ in $(seq 300); do  # a few steps done: the run is past its start
@@ -115,8 +116,6 @@ done
 podman stop -t 120 "$cid" >/dev/null
 rc=$(podman wait "$cid")
 summary=$(podman cp "$cid:/opt/staleflow/runs/stop/summary.json" - | tar -xO)
-podman rm "$cid" >/dev/null
-trap - EXIT
 RC="$rc" STEPS="$steps" SUMMARY="$summary" python3 - <<'PY'
 import json, os
 s, rc = json.loads(os.environ["SUMMARY"]), int(os.environ["RC"])
@@ -127,6 +126,8 @@ assert rc == 128 + 15, f"exit {rc}, not 143 (128 + SIGTERM): the stop was not cl
 assert (s["status"], s.get("stopped_by")) == ("interrupted", "SIGTERM"), s
 assert s.get("resume") and s["groups"]["reconciled"], s
 PY
+trap - EXIT
+podman rm "$cid" >/dev/null
 
 step "docker/Dockerfile.gpu, stage 'wheel' (the CUDA stage needs nvidia/cuda, not here)"
 podman build --pull=never "${build_args[@]}" "${mounts[@]}" --target wheel \
