@@ -59,6 +59,12 @@ LEARNER_WAIT_S, COMPLETE_BATCH_WAIT_S = 2.0, 30.0
 MEMBER_PING_S = 10.0
 
 
+class BroadcastCancelled(Exception):
+    """A stop was asked for while a broadcast waited for its members' calls (batch parts,
+    evaluations: up to rollout.batch_timeout_s): it is not made, so the stop's checkpoint
+    comes first; the resume publishes the checkpoint's weights."""
+
+
 @dataclass
 class Driver(CheckpointMixin):
     """Runs one training run (see the module docstring). `run()` returns the summary.
@@ -304,17 +310,22 @@ class Driver(CheckpointMixin):
         except Exception as exc:  # counted, but not a state to checkpoint (as at the stop)
             self.learner_failed = self.learner_failed or f"step {self.step}: {exc}"
             raise
-        try:  # (a broadcast waits for its members first: a second Ctrl-C may land there)
-            if (
-                report.weights is None
-                and self.sync.broadcasts
-                and self.schedule.publishes_after(self.step)
-            ):
-                self._publish()
-        finally:  # the step is counted (and will be checkpointed): its record, always
-            self._record_step(report, record)
-        if self._eval_due(self.step):
-            self._evaluate(self.step)
+        try:
+            try:  # (a broadcast waits for its members first: a second Ctrl-C may land there)
+                if (
+                    report.weights is None
+                    and self.sync.broadcasts
+                    and self.schedule.publishes_after(self.step)
+                ):
+                    self._publish()
+            finally:  # the step is counted (and will be checkpointed): its record, always
+                self._record_step(report, record)
+            if self._eval_due(self.step):
+                self._evaluate(self.step)  # (publishes, if off the sync schedule)
+        except BroadcastCancelled:  # a stop: its checkpoint next (also when drained)
+            logger.info("stopping: step %d's weights are not broadcast; its evaluation, if "
+                        "due, is made at the resume", self.step)  # fmt: skip
+            return
         ckpt = self.cfg.run.checkpoint_every
         if ckpt and self.step % ckpt == 0:
             self._checkpoint()
@@ -434,8 +445,14 @@ class Driver(CheckpointMixin):
         """Broadcast methods, before a publish: handle events until no member has a call in
         flight. Each call is bounded by rollout.batch_timeout_s from when it began running,
         batch parts and evaluations alike (`_wait`): a hung one has its worker killed and
-        replaced, and nothing else would end it (the broadcast would wait for it)."""
+        replaced, and nothing else would end it (the broadcast would wait for it).
+
+        A stop asked for meanwhile, or before, while a member is busy cancels the broadcast
+        (BroadcastCancelled): the stop's checkpoint must not wait for a batch or an
+        evaluation (a grace period, Kubernetes' 30 s, may end first)."""
         while self.learning is None and self._members_busy():
+            if self.stop_requested:
+                raise BroadcastCancelled
             self._wait()
 
     def _drop_dead_members(self) -> None:
@@ -543,17 +560,20 @@ class Driver(CheckpointMixin):
         }
         status = "failed"
         try:
-            self._start()  # (start_ray keeps this SIGTERM handler through ray.init)
-            while self.step < self.cfg.run.steps and not self.stop_requested:
-                self._tick()
-                self._wait()
-                self._poll_control()
-            if self.stop_requested:
+            try:
+                self._start()  # (start_ray keeps this SIGTERM handler through ray.init)
+                while self.step < self.cfg.run.steps and not self.stop_requested:
+                    self._tick()
+                    self._wait()
+                    self._poll_control()
+                if self.stop_requested:
+                    status = "interrupted"
+                else:
+                    status = "completed"
+                    if self.step not in self.accuracy:  # a resume after the final evaluation
+                        self._evaluate(self.step)
+            except BroadcastCancelled:  # (a publish for new workers or an evaluation)
                 status = "interrupted"
-            else:
-                status = "completed"
-                if self.step not in self.accuracy:  # a resume after the final evaluation
-                    self._evaluate(self.step)
             self._drain(checkpoint_first=status == "interrupted")
         except KeyboardInterrupt:
             status = "interrupted"

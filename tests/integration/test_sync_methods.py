@@ -256,6 +256,57 @@ def test_a_second_ctrl_c_while_a_broadcast_waits_keeps_the_steps_record(tmp_path
     assert [r["step"] for r in steps_of(list(read_metrics(run.metrics)))] == [1, 2, 3, 4]
 
 
+def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_member(
+    tmp_path, ray_local
+):
+    # Under gloo/nccl the step in flight at a stop still broadcast its weights, and a
+    # broadcast first waits for every member's call: here step 2's slow evaluation (its
+    # rewards sleep 0.5 s a response once the marker exists), so the stop's checkpoint came
+    # after it (eval 2, then checkpoint 3, seconds after the stop). The broadcast is now
+    # cancelled at a stop, the checkpoint comes first, and step 3's evaluation (due, skipped
+    # with the broadcast it needs) is made at the resume.
+    import signal
+
+    marker = tmp_path / "slow"
+    rows = [{"prompt": f"Say something #{i}", "marker": str(marker), "sleep_s": 0.5}
+            for i in range(80)]  # fmt: skip
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    class StopsAsStep3Starts(Driver):
+        def _evaluate(self, step):
+            if step == 2:
+                marker.touch()
+            super()._evaluate(step)
+
+        def _tick(self):
+            super()._tick()
+            if self.learning is not None and self.step == 2 and not self.stop_requested:
+                self._on_stop_signal(signal.SIGINT, None)  # step 3 in flight, eval 2 running
+
+    args = [
+        "run.name=s", "run.steps=5", "run.eval_every=1", "run.checkpoint_every=100",
+        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", "task.eval_prompts=4",
+        "task.reward_fn=tests.integration.rewards:slow_once_marked", "sync.method=gloo",
+        "sync.mode=async", "buffer.max_staleness=1",
+    ]  # fmt: skip
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args])
+    run = RunDir.create(str(tmp_path), "s")
+    summary = StopsAsStep3Starts(cfg, run).run()
+    assert (summary["status"], summary["steps"]) == ("interrupted", 3)
+    assert summary["groups"]["reconciled"], summary["groups"]
+    records = list(read_metrics(run.metrics))
+    order = [(r["kind"], r["step"]) for r in records if r["kind"] in ("checkpoint", "eval")]
+    assert order == [("eval", 0), ("eval", 1), ("checkpoint", 3), ("eval", 2)]
+    assert [r["step"] for r in steps_of(records)] == [1, 2, 3]
+    marker.unlink()  # the resume's evaluations run at full speed
+    resumed = Driver(cfg, RunDir(run.path), resume=True).run()
+    assert resumed["status"] == "completed", resumed
+    assert resumed["groups"]["reconciled"], resumed["groups"]
+    records = list(read_metrics(run.metrics))
+    assert [r["step"] for r in steps_of(records)] == [1, 2, 3, 4, 5]
+    assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 1, 2, 3, 4, 5]
+
+
 def test_a_step_that_fails_its_lag_check_is_not_checkpointed(tmp_path, ray_local, monkeypatch):
     # A step whose lag (or version) disagrees with the schedule stops the run; its state was
     # still written as the final checkpoint, to be resumed from.

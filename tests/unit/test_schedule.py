@@ -444,6 +444,7 @@ def _waiting_driver(monkeypatch, shards, running, slots):
     monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
     driver = Driver.__new__(Driver)
     driver.cfg, driver.learning, driver._deferred_workers = cfg, None, None
+    driver.stop_requested = False
     driver.schedule = SimpleNamespace(lockstep=False)
     pool = _Pool(slots)
     driver.services = SimpleNamespace(pool=pool, sync=SimpleNamespace(broadcasts=True))
@@ -497,6 +498,28 @@ def test_a_broadcast_waits_for_the_batches_in_flight_then_publishes(monkeypatch)
     assert pool.dropped == []
     assert driver._deferred_workers is None
     assert [step for _, step, _ in driver.evaluations.running] == [5]  # not waited for
+
+
+def test_a_stop_cancels_a_broadcast_that_waits_for_its_members(monkeypatch):
+    # A stop asked for while a broadcast waits for a batch in flight: the broadcast is not
+    # made (it would hold up the stop's checkpoint until the batch ends, up to
+    # rollout.batch_timeout_s). The stop lands during the second wait (t = 1).
+    from staleflow.cluster.driver import BroadcastCancelled
+    from staleflow.cluster.placement import WorkerSlot
+
+    a = WorkerSlot(0, "a")
+    driver, _pool, waits = _waiting_driver(monkeypatch, {"s1": 3.0}, [], [a])
+    wait = driver._wait
+
+    def stop_at_t1():
+        if waits == [0.0]:
+            driver.stop_requested = True
+        wait()
+
+    driver._wait = stop_at_t1
+    with pytest.raises(BroadcastCancelled):
+        driver._wait_for_members()
+    assert waits == [0.0, 1.0]  # not to t = 3, when the batch ends
 
 
 def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_retries_it_before_publishing(
