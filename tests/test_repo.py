@@ -68,6 +68,19 @@ def test_images_copy_the_files_the_build_reads():
         assert needed <= set(copied.group(1).split()), dockerfile
 
 
+def test_images_run_staleflow_under_tini():
+    # staleflow as PID 1 never reaps the processes Ray orphans, and `docker stop`'s clean
+    # stop was checked for the CPU image only (docker/build.sh): both images install tini
+    # and start staleflow through it.
+    for dockerfile in ("docker/Dockerfile.cpu", "docker/Dockerfile.gpu"):
+        text = (REPO / dockerfile).read_text()
+        stages = text.split("\nFROM ")
+        final = stages[-1]
+        assert re.search(r"apt-get install[^&]*\btini\b", final), dockerfile
+        entry = re.findall(r"^ENTRYPOINT (.+)$", final, re.M)
+        assert entry == ['["/usr/bin/tini", "--", "staleflow"]'], (dockerfile, entry)
+
+
 def test_every_cited_doc_ships_with_the_repository():
     # Code, configs and docs cite docs/algorithms.md and docs/architecture.md by name; a
     # citation of a file outside the repository could not be followed by anyone who clones it.
