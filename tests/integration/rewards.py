@@ -3,8 +3,10 @@ the session's Ray, which has the repository root on its path)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 
 def one_slow_worker(meta: dict, text: str) -> float:
@@ -44,3 +46,16 @@ def slow_once_marked(meta: dict, text: str) -> float:
     if os.path.exists(meta["marker"]):
         time.sleep(float(meta["sleep_s"]))
     return float(len(text))
+
+
+def slow_once_marked_task(tmp_path: Path, sleep_s: float) -> tuple[Path, list[str]]:
+    """A `custom` task of 80 prompts scored by `slow_once_marked`: the marker that makes it
+    slow once it exists (not made yet) and the task's config overrides."""
+    marker = tmp_path / "slow"
+    rows = [{"prompt": f"Say something #{i}", "marker": str(marker), "sleep_s": sleep_s}
+            for i in range(80)]  # fmt: skip
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = ["task.name=custom", f"task.path={path}",
+            "task.reward_fn=tests.integration.rewards:slow_once_marked"]  # fmt: skip
+    return marker, task

@@ -26,6 +26,7 @@ from staleflow.cluster.resume import (
 from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag, rollout_version
 from staleflow.configs import parse_config
+from tests.integration.rewards import slow_once_marked_task
 from tests.integration.test_system import assert_reconciled, ctrl_c, staleflow, status_of, wait_for
 from tests.integration.tiny import ONE_WORKER, TINY, run_driver, steps_of
 
@@ -202,10 +203,7 @@ def test_a_stop_checkpoints_before_it_waits_for_an_evaluation(tmp_path, ray_loca
     # made as it starts), and the stop is asked for as it starts.
     import signal
 
-    marker = tmp_path / "slow"
-    rows = [{"prompt": f"Say something #{i}", "marker": str(marker), "sleep_s": 0.2}
-            for i in range(80)]  # fmt: skip
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    marker, task = slow_once_marked_task(tmp_path, sleep_s=0.2)
 
     class StopsAsStep2IsEvaluated(Driver):
         def _evaluate(self, step):
@@ -217,8 +215,7 @@ def test_a_stop_checkpoints_before_it_waits_for_an_evaluation(tmp_path, ray_loca
 
     cfg = parse_config(TINY, [
         f"run.output_dir={tmp_path}", "run.name=e", "run.steps=6", "run.eval_every=2",
-        "run.checkpoint_every=100", "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}",
-        "task.reward_fn=tests.integration.rewards:slow_once_marked", "task.eval_prompts=4",
+        "run.checkpoint_every=100", *task, "task.eval_prompts=4",
     ])  # fmt: skip
     run = RunDir.create(str(tmp_path), "e")
     summary = StopsAsStep2IsEvaluated(cfg, run).run()

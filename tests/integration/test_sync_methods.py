@@ -15,6 +15,7 @@ from staleflow.cluster.rundir import RunDir, read_metrics
 from staleflow.cluster.schedule import lag
 from staleflow.configs import parse_config
 
+from .rewards import slow_once_marked_task
 from .tiny import ONE_WORKER, TINY, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
@@ -267,10 +268,7 @@ def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_membe
     # with the broadcast it needs) is made at the resume.
     import signal
 
-    marker = tmp_path / "slow"
-    rows = [{"prompt": f"Say something #{i}", "marker": str(marker), "sleep_s": 0.5}
-            for i in range(80)]  # fmt: skip
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    marker, task = slow_once_marked_task(tmp_path, sleep_s=0.5)
 
     class StopsAsStep3Starts(Driver):
         def _evaluate(self, step):
@@ -285,9 +283,8 @@ def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_membe
 
     args = [
         "run.name=s", "run.steps=5", "run.eval_every=1", "run.checkpoint_every=100",
-        "task.name=custom", f"task.path={tmp_path / 'p.jsonl'}", "task.eval_prompts=4",
-        "task.reward_fn=tests.integration.rewards:slow_once_marked", "sync.method=gloo",
-        "sync.mode=async", "buffer.max_staleness=1",
+        *task, "task.eval_prompts=4", "sync.method=gloo", "sync.mode=async",
+        "buffer.max_staleness=1",
     ]  # fmt: skip
     cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args])
     run = RunDir.create(str(tmp_path), "s")
