@@ -572,7 +572,7 @@ class Driver(CheckpointMixin):
                     status = "completed"
                     if self.step not in self.accuracy:  # a resume after the final evaluation
                         self._evaluate(self.step)
-            except BroadcastCancelled:  # (a publish for new workers or an evaluation)
+            except BroadcastCancelled:  # (_tick's publish for new workers, or _rejoin's)
                 status = "interrupted"
             self._drain(checkpoint_first=status == "interrupted")
         except KeyboardInterrupt:
