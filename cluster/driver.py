@@ -447,13 +447,45 @@ class Driver(CheckpointMixin):
         batch parts and evaluations alike (`_wait`): a hung one has its worker killed and
         replaced, and nothing else would end it (the broadcast would wait for it).
 
-        A stop asked for meanwhile, or before, while a member is busy cancels the broadcast
-        (BroadcastCancelled): the stop's checkpoint must not wait for a batch or an
-        evaluation (a grace period, Kubernetes' 30 s, may end first)."""
+        A stop asked for meanwhile, or before, while a member is still busy once the calls
+        that have returned are handled cancels the broadcast (BroadcastCancelled): the
+        stop's checkpoint must not wait for a batch or an evaluation (a grace period,
+        Kubernetes' 30 s, may end first)."""
         while self.learning is None and self._members_busy():
             if self.stop_requested:
-                raise BroadcastCancelled
+                self._handle_returned_calls()
+                if self._members_busy():
+                    raise BroadcastCancelled
+                break
             self._wait()
+
+    def _handle_returned_calls(self) -> None:
+        """At a stop: handle the batch parts and evaluations that have returned but were not
+        handled yet (`_wait` handles one call at a time, and `_drain` waits for the learner
+        first). In lock-step, when step t's learner call returns, batch t's parts have pushed
+        every group and are returning: they are waited for up to MEMBER_PING_S. Until they
+        are handled the batch counts as running, so a member looks busy (the broadcast was
+        cancelled) and the batch's older version looks needed (the stop's checkpoint was
+        skipped under a broadcast method, then written after the evaluations). A call that
+        failed is left to `_drain` (its part is redone at the resume)."""
+        import ray
+
+        shards = set(self.rollouts.shards)
+        if self.schedule.lockstep and (
+            trained := [r for r, s in self.rollouts.shards.items() if s.batch <= self.step]
+        ):
+            ray.wait(trained, num_returns=len(trained), timeout=MEMBER_PING_S)
+        refs = [*shards, *self.evaluations.refs]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:
+                continue
+            if ref in shards:
+                self._on_batch_done(ref)
+            else:
+                self._on_eval_done(ref)
 
     def _drop_dead_members(self) -> None:
         """Broadcast methods, before a publish: a member that died while idle (between two
@@ -738,6 +770,8 @@ class Driver(CheckpointMixin):
                 self._on_learner_done()
             else:
                 self._rank_returned(done[0])
+        if checkpoint_first:  # a batch the learner trained is not running (its version)
+            self._handle_returned_calls()
         refs = self.evaluations.refs
         if checkpoint_first and refs and 0 < self.step != self._checkpointed:
             logger.info("checkpointing before waiting for %d evaluation(s) in flight", len(refs))

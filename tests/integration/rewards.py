@@ -48,12 +48,20 @@ def slow_once_marked(meta: dict, text: str) -> float:
     return float(len(text))
 
 
-def slow_once_marked_task(tmp_path: Path, sleep_s: float) -> tuple[Path, list[str]]:
+def slow_once_marked_task(
+    tmp_path: Path, sleep_s: float, held_out_only: bool = False
+) -> tuple[Path, list[str]]:
     """A `custom` task of 80 prompts scored by `slow_once_marked`: the marker that makes it
-    slow once it exists (not made yet) and the task's config overrides."""
+    slow once it exists (not made yet) and the task's config overrides. `held_out_only`:
+    only the evaluation's prompts (the held-out split) are slow, training stays fast."""
+    from staleflow.actors.tasks import _in_eval_split
+
     marker = tmp_path / "slow"
-    rows = [{"prompt": f"Say something #{i}", "marker": str(marker), "sleep_s": sleep_s}
-            for i in range(80)]  # fmt: skip
+    rows = []
+    for i in range(80):
+        text = f"Say something #{i}"
+        slow = not held_out_only or _in_eval_split(text)
+        rows.append({"prompt": text, "marker": str(marker), "sleep_s": sleep_s if slow else 0})
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     task = ["task.name=custom", f"task.path={path}",

@@ -304,6 +304,63 @@ def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_membe
     assert sorted(r["step"] for r in records if r["kind"] == "eval") == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_lockstep_stop_under_a_broadcast_method_checkpoints_its_step_first(
+    tmp_path, ray_local, monkeypatch, caplog
+):
+    # Lock-step (on-policy), gloo, 2 workers. Step 2's evaluation is slow (its held-out
+    # prompts score 0.5 s a response once the marker exists; training prompts stay fast) and
+    # runs on worker 0, where batch 3's part queues behind it; a stop comes as step 3's
+    # learner call starts (its wait for the batch raised so that step 3 trains). When the
+    # call returns, evaluation 2 and batch 3's parts have returned but were not handled: the
+    # driver drains the learner first. So a member looked busy (the broadcast of v3 was
+    # cancelled, step 3 not evaluated), and batch 3 looked running at v2, which gloo does
+    # not keep: the stop's checkpoint was skipped with a false "no checkpoint at step 3"
+    # warning and written at the end (records eval 0, 1, 2, checkpoint 3). The returned
+    # calls are now handled first: v3 is broadcast, step 3's evaluation starts, and the
+    # checkpoint comes before it.
+    import signal
+
+    import staleflow.cluster.driver as driver_module
+
+    monkeypatch.setattr(driver_module, "LEARNER_WAIT_S", 60.0)
+    marker, task = slow_once_marked_task(tmp_path, sleep_s=0.5, held_out_only=True)
+
+    class StopsAsStep3Starts(Driver):
+        def _evaluate(self, step):
+            if step == 2:
+                marker.touch()
+            super()._evaluate(step)
+
+        def _tick(self):
+            super()._tick()
+            if self.learning is not None and self.step == 2 and not self.stop_requested:
+                self._on_stop_signal(signal.SIGINT, None)  # step 3 in flight, eval 2 running
+
+    args = [
+        "run.name=l", "run.steps=4", "run.eval_every=1", "run.checkpoint_every=100",
+        *task, "task.eval_prompts=4", "sync.method=gloo", "sync.mode=lockstep",
+        "sync.interval=1", "sync.offset=0", "rollout.num_workers=2",
+        "rollout.prompts_per_batch=2",
+    ]  # fmt: skip
+    cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *args])
+    run = RunDir.create(str(tmp_path), "l")
+    with caplog.at_level(logging.INFO, logger="staleflow"):
+        summary = StopsAsStep3Starts(cfg, run).run()
+    assert (summary["status"], summary["steps"]) == ("interrupted", 3)
+    assert summary["groups"]["reconciled"], summary["groups"]
+    assert "no checkpoint at step" not in caplog.text
+    records = list(read_metrics(run.metrics))
+    order = [(r["kind"], r["step"]) for r in records if r["kind"] in ("checkpoint", "eval")]
+    assert order == [("eval", 0), ("eval", 1), ("eval", 2), ("checkpoint", 3), ("eval", 3)]
+    marker.unlink()  # the resume's evaluation runs at full speed
+    resumed = Driver(cfg, RunDir(run.path), resume=True).run()
+    assert resumed["status"] == "completed", resumed
+    assert resumed["groups"]["reconciled"], resumed["groups"]
+    records = list(read_metrics(run.metrics))
+    assert [r["step"] for r in steps_of(records)] == [1, 2, 3, 4]
+    assert [r["lag_max"] for r in steps_of(records)] == [0.0] * 4
+
+
 def test_a_step_that_fails_its_lag_check_is_not_checkpointed(tmp_path, ray_local, monkeypatch):
     # A step whose lag (or version) disagrees with the schedule stops the run; its state was
     # still written as the final checkpoint, to be resumed from.

@@ -441,7 +441,7 @@ def _waiting_driver(monkeypatch, shards, running, slots):
         slot.call(ref)
     killed = []
     monkeypatch.setattr(ray, "kill", lambda handle: killed.append(handle))
-    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout, num_returns=1: ([], refs))
     driver = Driver.__new__(Driver)
     driver.cfg, driver.learning, driver._deferred_workers = cfg, None, None
     driver.stop_requested = False
@@ -520,6 +520,49 @@ def test_a_stop_cancels_a_broadcast_that_waits_for_its_members(monkeypatch):
     with pytest.raises(BroadcastCancelled):
         driver._wait_for_members()
     assert waits == [0.0, 1.0]  # not to t = 3, when the batch ends
+
+
+def test_a_stop_handles_the_calls_that_have_returned_before_it_cancels_a_broadcast(
+    monkeypatch,
+):
+    # Lock-step, a stop asked for during step 3: when its learner call returns, batch 3's
+    # part has returned too (it pushed every group the step trained), but the driver has
+    # not handled it. It was taken for a busy member: the broadcast was cancelled, and the
+    # batch still counted as running at v2 (under gloo the stop's checkpoint was skipped as
+    # unresumable). Returned calls are handled first (the trained batch's parts waited for
+    # up to MEMBER_PING_S); the broadcast is cancelled only if a member is still busy.
+    from types import SimpleNamespace
+
+    import ray
+
+    from staleflow.cluster.driver import MEMBER_PING_S, BroadcastCancelled
+    from staleflow.cluster.placement import WorkerSlot
+
+    a = WorkerSlot(0, "a")
+    driver, _pool, waits = _waiting_driver(monkeypatch, {}, [], [a])
+    driver.schedule, driver.stop_requested = SimpleNamespace(lockstep=True), True
+    driver.flow = SimpleNamespace(steps=3)
+    returned, handled, timeouts = {"batch 3": True, "batch 4": False}, [], []
+    shards = {"batch 3": SimpleNamespace(batch=3), "batch 4": SimpleNamespace(batch=4)}
+    driver.rollouts = SimpleNamespace(shards=shards)
+
+    def wait(refs, timeout, num_returns=1):
+        timeouts.append((sorted(refs), timeout))
+        return [r for r in refs if returned[r]], [r for r in refs if not returned[r]]
+
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", lambda ref: None)
+    driver._on_batch_done = lambda ref: handled.append(shards.pop(ref).batch)
+    with pytest.raises(BroadcastCancelled):  # batch 4 (a fake: lock-step has one) is out
+        driver._wait_for_members()
+    assert handled == [3]
+    assert waits == []  # (no wait for a call to end)
+    # only the trained batch's parts are waited for; the rest is only looked at
+    assert timeouts == [(["batch 3"], MEMBER_PING_S), (["batch 3", "batch 4"], 0)]
+    returned["batch 4"] = True  # every call has returned: the broadcast is made
+    driver._wait_for_members()
+    assert handled == [3, 4]
+    assert waits == []
 
 
 def test_a_broadcast_kills_an_evaluation_hung_on_a_member_and_retries_it_before_publishing(
