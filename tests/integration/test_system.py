@@ -65,12 +65,14 @@ SPLIT = {(1, 1), (4, 10), (20, 1)}
 
 @pytest.mark.parametrize(
     ("interval", "offset"),
-    [(1, 0), (1, 1), (1, 10), (4, 0), (4, 1), (4, 10), (20, 0), (20, 1), (20, 10), (1, 100)],
+    [(1, 0), (1, 1), (4, 1), (4, 10), (20, 1), (1, 100)],
     ids=lambda v: str(v),
 )
 def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, interval, offset):
     # 22 steps cover a full I=20 cycle and its wrap, and O=10's switch to a constant lag;
-    # (1, 100) is the offline setting: every batch comes from the initial policy.
+    # (1, 100) is the offline setting: every batch comes from the initial policy. (The
+    # schedule's whole I x O grid, on-policy to offline, is checked without Ray in
+    # tests/unit/test_schedule.py; each setting here is a whole run, about 15 s alone.)
     # mini_batches x epochs = 4 optimizer steps per batch: the policy version still counts
     # batches, so every version the schedule asks for is published and the lags are exact.
     # (With one optimizer step per batch, every lock-step run checks the same: the driver

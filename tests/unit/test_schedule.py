@@ -58,6 +58,53 @@ def test_versions_only_grow_and_are_multiples_of_the_interval(interval, offset):
     )
 
 
+@pytest.mark.parametrize("interval", [1, 4, 20])
+@pytest.mark.parametrize("offset", [0, 1, 10, 100])
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_the_lockstep_schedule_trains_every_step_at_the_formulas_lag(interval, offset, capacity):
+    # The driver's lock-step loop on the real Schedule, without Ray: a batch starts as soon
+    # as `next_batch` allows; then, in a seeded random order, the running batch finishes or
+    # the learner trains batch t (once it is done) and publishes after each step that
+    # `publishes_after` names. A step's lag is the number of steps done before it less its
+    # batch's version. 45 steps wrap I=20 twice; O=100 is offline (every batch from v0).
+    # buffer.capacity=2 (one batch of 2 prompts) holds each batch back until the step before
+    # it is done, by when newer weights than it needs may be published. The system test runs
+    # a subset of this grid through Ray, the workers and the learner.
+    import random
+
+    from staleflow.cluster.schedule import Flow, Schedule
+
+    steps = 45
+    cfg = parse_config(
+        "model: {preset: tiny}\ntask: {name: digits, chat_template: false}\n"
+        "rollout: {prompts_per_batch: 2}\n",
+        ["sync.mode=lockstep", f"sync.interval={interval}", f"sync.offset={offset}",
+         f"run.steps={steps}", *([f"buffer.capacity={capacity}"] if capacity else [])],
+    )  # fmt: skip
+    schedule, flow, rng = Schedule(cfg), Flow(published={0}, latest=0), random.Random(0)
+    versions, got = {}, []
+    while flow.steps < steps:
+        if (v := schedule.next_batch(flow)) is not None:
+            flow.batches += 1
+            versions[flow.batches] = v
+            flow.running[flow.batches] = (v, schedule.P)
+        t = flow.steps + 1
+        can_step = schedule.may_step(flow) and t not in flow.running
+        assert flow.running or can_step, f"stalled at step {flow.steps}"
+        if flow.running and not (can_step and rng.random() < 0.5):
+            flow.running.clear()  # the batch finishes
+            flow.batches_done += 1
+            continue
+        got.append(flow.steps - versions[t])
+        flow.count_step(schedule.G, 0)
+        if schedule.publishes_after(t):
+            flow.published.add(t)
+            flow.latest = t
+    assert got == lags(interval, offset, steps)
+    if offset >= steps:
+        assert got == list(range(steps))  # offline: step t trains on v0, t - 1 behind
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="numbered from 1"):
         rollout_version(0, 1, 0)
