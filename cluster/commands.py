@@ -440,7 +440,7 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
         print(f"error: the resume stopped before it changed the run ({summary['resume_abandoned']}"
               f"); {run.path} is as it was", file=sys.stderr)  # fmt: skip
     else:
-        _print_summary(run, summary, time.monotonic() - began)
+        _print_summary(run, summary, time.monotonic() - began, report=cfg.run.report)
     if summary["status"] == "interrupted":  # 128 + the signal, as a shell reports it
         return 128 + int(getattr(signal, summary.get("stopped_by") or "SIGINT"))
     return 0 if summary["status"] == "completed" else 1
@@ -513,10 +513,12 @@ def _took(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 60 else f"{seconds / 60:.1f} min"
 
 
-def _print_summary(run: Any, summary: dict[str, Any], total_s: float | None = None) -> None:
+def _print_summary(
+    run: Any, summary: dict[str, Any], total_s: float | None = None, report: bool = True
+) -> None:
     """The run's end, for the terminal: `total_s` is the command's whole time (start-up,
     evaluations and shutdown included), beside the training's (`wall_s`, from the first
-    step's start)."""
+    step's start); `report`: whether the run wrote its report (run.report)."""
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
     groups = summary.get("groups", {})
     took = _took(float(summary.get("wall_s", 0)))
@@ -539,7 +541,10 @@ def _print_summary(run: Any, summary: dict[str, Any], total_s: float | None = No
                 else ""
             )
         )
-    lines.append(f"report: {run.report}")
+    if report:
+        lines.append(f"report: {run.report}")
+    else:
+        lines.append(f"report: not written (run.report: false); staleflow report {run.path}")
     if summary.get("resume"):
         lines.append(f"resume: {summary['resume']}")
     print("\n".join(lines))

@@ -974,6 +974,10 @@ class Driver(CheckpointMixin):
         logger.info("stopping (%s after %d steps): %s", status, self.step, groups)
         self._teardown()
         write_json(self.rundir.summary, summary)
+        if not self.cfg.run.report:
+            logger.info("no report (run.report: false): `staleflow report %s` builds it",
+                        self.rundir.path)  # fmt: skip
+            return summary
         try:
             from staleflow.cluster.report import write_report
 

@@ -36,10 +36,11 @@ STEPS = 30
 
 def _config() -> str:
     # TINY ends with its own run section: replace it rather than add a second one
-    base = TINY.replace("run: {tensorboard: false}\n", "")
+    base = TINY.replace("run: {tensorboard: false, report: false}\n", "")
     return base + (
         "sync: {mode: lockstep, interval: 1, offset: 1}\n"
-        f"run: {{steps: {STEPS}, checkpoint_every: 3, tensorboard: false, name: chaos}}\n"
+        f"run: {{steps: {STEPS}, checkpoint_every: 3, tensorboard: false, report: false, "
+        "name: chaos}\n"
     )
 
 

@@ -384,13 +384,15 @@ def test_a_step_that_fails_its_lag_check_is_not_checkpointed(tmp_path, ray_local
 
 @pytest.mark.parametrize("method", ["gloo", "ipc"])
 def test_async_run_reconciles_with_each_sync_method(tmp_path, ray_local, method):
-    _cfg, _run, summary, records = run_driver(
+    _cfg, run, summary, records = run_driver(
         tmp_path, f"sync.method={method}", "sync.mode=async", "sync.offset=0",
         "buffer.max_staleness=2", "run.steps=5",
     )  # fmt: skip
     assert summary["status"] == "completed"
     assert summary["groups"]["reconciled"], summary["groups"]
     assert max(r["lag_max"] for r in steps_of(records)) <= 2
+    assert not run.report.exists()  # run.report: false (tiny.TINY): no report, no plots
+    assert not list(run.plots.glob("*.png"))
 
 
 def test_async_gloo_run_scaled_up_mid_run_brings_the_new_engine_into_the_broadcast(

@@ -468,7 +468,7 @@ def test_ctrl_c_checkpoints_reports_and_leaves_no_redis_or_ray_behind(tmp_path, 
     (tmp_path / "c.yaml").write_text(TINY)
     proc = staleflow(
         "train", "c.yaml", "run.name=stopped", "sync.mode=async", "run.steps=100000",
-        ONE_WORKER, cwd=tmp_path,
+        "run.report=true", ONE_WORKER, cwd=tmp_path,
     )  # fmt: skip
     run = tmp_path / "runs" / "stopped"
     wait_for(lambda: status_of(run).get("step", 0) >= 3, 300, "step 3")

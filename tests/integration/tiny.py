@@ -15,7 +15,7 @@ model: {preset: tiny}
 task: {name: digits, chat_template: false, eval_prompts: 0}
 rollout: {num_workers: 2, prompts_per_batch: 2, group_size: 2, max_new_tokens: 4}
 learner: {optimizer: {lr: 1.0e-3}, loss: {name: rec-oneside-nois}}
-run: {tensorboard: false}
+run: {tensorboard: false, report: false}
 """
 
 

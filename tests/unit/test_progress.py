@@ -60,3 +60,19 @@ def test_the_end_summary_names_the_run_directory_and_both_times(capsys, tmp_path
         "run tiny-20261127: completed after 6 steps in 0.5 s (13.2 s in all, with start-up "
         "and shutdown)"
     )
+
+
+def test_the_end_summary_names_the_report_or_how_to_build_it(capsys, tmp_path):
+    # run.report: false skips report.html and its plots (2-3 s of CPU): the summary says
+    # so and gives the command that builds them, instead of naming a file not written
+    from types import SimpleNamespace
+
+    from staleflow.cluster.commands import _print_summary
+
+    run = SimpleNamespace(path=tmp_path / "r", report=tmp_path / "r" / "report.html")
+    summary = {"status": "completed", "steps": 2, "wall_s": 1.0}
+    _print_summary(run, summary, report=True)
+    assert f"report: {run.report}" in capsys.readouterr().out.splitlines()
+    _print_summary(run, summary, report=False)
+    lines = capsys.readouterr().out.splitlines()
+    assert f"report: not written (run.report: false); staleflow report {run.path}" in lines
