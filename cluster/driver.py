@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 LEARNER_WAIT_S, COMPLETE_BATCH_WAIT_S = 2.0, 30.0
 # Broadcast methods: how long a publish waits for its members' pings (`_drop_dead_members`).
 MEMBER_PING_S = 10.0
+# At a stop, the most the driver waits for the parts of a lock-step batch the learner has
+# trained: they pushed every group and are returning (`_handle_returned_calls`)
+RETURNING_PARTS_S = 5.0
 
 
 class BroadcastCancelled(Exception):
@@ -108,6 +111,7 @@ class Driver(CheckpointMixin):
         self.metrics: Any = None  # MetricsWriter, once started
         self._deferred_workers: int | None = None
         self.redo: list[int] = []  # batches running at the checkpoint a resume started from
+        self._waited_for_returning = False  # at a stop (`_handle_returned_calls`): done once
         self.resumed: Resume | None = None
         self.faults: list[dict[str, Any]] = []  # what failed, when, how long recovery took
         self.learner_failed: str | None = None
@@ -433,6 +437,10 @@ class Driver(CheckpointMixin):
         if self.sync.broadcasts:
             self._wait_for_members()
             self._drop_dead_members()
+            if self.stop_requested and self._deferred_workers is not None:
+                # new workers would join first: their start (up to run.start_timeout_s)
+                # must not hold up the stop's checkpoint either
+                raise BroadcastCancelled
         if self._deferred_workers is not None:  # broadcast: new workers join at a publish
             self._scale(self._deferred_workers)
             self._deferred_workers = None
@@ -463,18 +471,25 @@ class Driver(CheckpointMixin):
         """At a stop: handle the batch parts and evaluations that have returned but were not
         handled yet (`_wait` handles one call at a time, and `_drain` waits for the learner
         first). In lock-step, when step t's learner call returns, batch t's parts have pushed
-        every group and are returning: they are waited for up to MEMBER_PING_S. Until they
-        are handled the batch counts as running, so a member looks busy (the broadcast was
-        cancelled) and the batch's older version looks needed (the stop's checkpoint was
-        skipped under a broadcast method, then written after the evaluations). A call that
-        failed is left to `_drain` (its part is redone at the resume)."""
+        every group and are returning: they are waited for, once a stop, up to
+        RETURNING_PARTS_S. Until they are handled the batch counts as running, so a member
+        looks busy (the broadcast was cancelled) and the batch's older version looks needed
+        (the stop's checkpoint was skipped under a broadcast method, then written after the
+        evaluations). Not a part redone (after its worker failed, or by a resume): it may
+        have had nothing new to push and still be queued or generating. A call that failed
+        is left to `_drain` (its part is redone at the resume)."""
         import ray
 
         shards = set(self.rollouts.shards)
-        if self.schedule.lockstep and (
-            trained := [r for r, s in self.rollouts.shards.items() if s.batch <= self.step]
-        ):
-            ray.wait(trained, num_returns=len(trained), timeout=MEMBER_PING_S)
+        if self.schedule.lockstep and not self._waited_for_returning:
+            self._waited_for_returning = True
+            redone = self.resumed.versions if self.resumed is not None else {}
+            returning = [
+                ref for ref, s in self.rollouts.shards.items()
+                if s.batch <= self.step and s.attempts == 1 and s.batch not in redone
+            ]  # fmt: skip
+            if returning:
+                ray.wait(returning, num_returns=len(returning), timeout=RETURNING_PARTS_S)
         refs = [*shards, *self.evaluations.refs]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         for ref in done:

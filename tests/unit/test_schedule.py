@@ -576,21 +576,30 @@ def test_a_stop_handles_the_calls_that_have_returned_before_it_cancels_a_broadca
     # part has returned too (it pushed every group the step trained), but the driver has
     # not handled it. It was taken for a busy member: the broadcast was cancelled, and the
     # batch still counted as running at v2 (under gloo the stop's checkpoint was skipped as
-    # unresumable). Returned calls are handled first (the trained batch's parts waited for
-    # up to MEMBER_PING_S); the broadcast is cancelled only if a member is still busy.
+    # unresumable). Returned calls are handled first (the trained batch's parts waited for,
+    # once a stop, up to RETURNING_PARTS_S; not a part redone, which may have had nothing
+    # new to push); the broadcast is cancelled only if a member is still busy.
     from types import SimpleNamespace
 
     import ray
 
-    from staleflow.cluster.driver import MEMBER_PING_S, BroadcastCancelled
+    from staleflow.cluster.driver import RETURNING_PARTS_S, BroadcastCancelled
     from staleflow.cluster.placement import WorkerSlot
 
     a = WorkerSlot(0, "a")
     driver, _pool, waits = _waiting_driver(monkeypatch, {}, [], [a])
     driver.schedule, driver.stop_requested = SimpleNamespace(lockstep=True), True
     driver.flow = SimpleNamespace(steps=3)
-    returned, handled, timeouts = {"batch 3": True, "batch 4": False}, [], []
-    shards = {"batch 3": SimpleNamespace(batch=3), "batch 4": SimpleNamespace(batch=4)}
+    driver._waited_for_returning = False
+    driver.resumed = SimpleNamespace(versions={2: 1})  # batch 2 redone by the resume, at v1
+    returned = {"batch 3": True, "batch 4": False, "redone 2": False, "again 3": False}
+    handled, timeouts = [], []
+    shards = {
+        "batch 3": SimpleNamespace(batch=3, attempts=1),
+        "batch 4": SimpleNamespace(batch=4, attempts=1),
+        "redone 2": SimpleNamespace(batch=2, attempts=1),  # by the resume
+        "again 3": SimpleNamespace(batch=3, attempts=2),  # after its worker failed
+    }
     driver.rollouts = SimpleNamespace(shards=shards)
 
     def wait(refs, timeout, num_returns=1):
@@ -604,11 +613,32 @@ def test_a_stop_handles_the_calls_that_have_returned_before_it_cancels_a_broadca
         driver._wait_for_members()
     assert handled == [3]
     assert waits == []  # (no wait for a call to end)
-    # only the trained batch's parts are waited for; the rest is only looked at
-    assert timeouts == [(["batch 3"], MEMBER_PING_S), (["batch 3", "batch 4"], 0)]
-    returned["batch 4"] = True  # every call has returned: the broadcast is made
+    # only the trained batch's first parts are waited for; the rest is only looked at
+    assert timeouts[0] == (["batch 3"], RETURNING_PARTS_S)
+    assert timeouts[1:] == [(["again 3", "batch 3", "batch 4", "redone 2"], 0)]
+    # every call has returned: the broadcast is made, and nothing is waited for again
+    returned.update(dict.fromkeys(returned, True))
+    timeouts.clear()
     driver._wait_for_members()
-    assert handled == [3, 4]
+    assert sorted(handled) == [2, 3, 3, 4]
+    assert timeouts == [(["again 3", "batch 4", "redone 2"], 0)]
+    assert waits == []
+
+
+def test_a_stop_cancels_a_broadcast_new_workers_would_join_first(monkeypatch):
+    # A scale (or a lost worker's replacement) waits for the next publish under a broadcast
+    # method: at a stop, that publish would start the new workers and wait for them (up to
+    # run.start_timeout_s) before the stop's checkpoint. It is cancelled instead.
+    from staleflow.cluster.driver import BroadcastCancelled
+    from staleflow.cluster.placement import WorkerSlot
+
+    driver, _pool, waits = _waiting_driver(monkeypatch, {}, [], [WorkerSlot(0, "a")])
+    driver.stop_requested, driver._deferred_workers = True, 3
+    driver._drop_dead_members = lambda: None
+    driver._scale = lambda n: pytest.fail(f"scaled to {n} at a stop")
+    with pytest.raises(BroadcastCancelled):
+        driver._publish()
+    assert driver._deferred_workers == 3  # (a resume starts them)
     assert waits == []
 
 
