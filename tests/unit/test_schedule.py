@@ -65,13 +65,17 @@ def test_the_lockstep_schedule_trains_every_step_at_the_formulas_lag(interval, o
     # The driver's lock-step loop on the real Schedule, without Ray: a batch starts as soon
     # as `next_batch` allows; then, in a seeded random order, the running batch finishes or
     # the learner trains batch t (once it is done) and publishes after each step that
-    # `publishes_after` names. A step's lag is the number of steps done before it less its
-    # batch's version. 45 steps wrap I=20 twice; O=100 is offline (every batch from v0).
-    # buffer.capacity=2 (one batch of 2 prompts) holds each batch back until the step before
-    # it is done, by when newer weights than it needs may be published. The system test runs
-    # a subset of this grid through Ray, the workers and the learner.
+    # `publishes_after` names, keeping only the versions Driver._published keeps. A step's
+    # lag is the number of steps done before it less its batch's version. What can fail:
+    # a batch handed another version than the formula's (the newest, say), a version
+    # discarded while a batch still needs it, or a schedule that stalls. 45 steps wrap I=20
+    # twice; O=100 is offline (every batch from v0). buffer.capacity=2 (one batch of 2
+    # prompts) holds each batch back until the step before it is done, by when newer weights
+    # than it needs may be published. The system test runs a subset of this grid through
+    # Ray, the workers and the learner (and a resume's redone batches are its tests').
     import random
 
+    from staleflow.cluster.resume import versions_in_use
     from staleflow.cluster.schedule import Flow, Schedule
 
     steps = 45
@@ -100,6 +104,7 @@ def test_the_lockstep_schedule_trains_every_step_at_the_formulas_lag(interval, o
         if schedule.publishes_after(t):
             flow.published.add(t)
             flow.latest = t
+            flow.published &= schedule.versions_needed(flow) | versions_in_use(schedule, flow)
     assert got == lags(interval, offset, steps)
     if offset >= steps:
         assert got == list(range(steps))  # offline: step t trains on v0, t - 1 behind
