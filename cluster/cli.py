@@ -252,7 +252,7 @@ def _add_run_commands(sub: Any) -> None:
         description="Start (or join) Ray, an embedded Redis unless buffer.redis_url is set, the "
         "rollout workers and the DeepSpeed learner, and train on the config's schedule. Writes "
         "the run directory <run.output_dir>/<run.name>. Ctrl-C or SIGTERM stops cleanly "
-        "(checkpoint, summary, report); a second one stops at once.",
+        "(checkpoint, summary, report unless run.report is false); a second one stops at once.",
         epilog=config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

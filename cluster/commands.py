@@ -407,12 +407,13 @@ def _train(args: argparse.Namespace, held: contextlib.ExitStack) -> int:
     print(f"staleflow: run {name} -> {run.path}", file=sys.stderr)
     if args.address:  # on a cluster: say on which machine the outputs are
         where = run.path.resolve()
-        print(
-            f"staleflow: on {socket.gethostname()} (the driver's node): run directory {where}, "
-            f"report {where / 'report.html'}, TensorBoard: tensorboard --logdir "
-            f"{where / 'tensorboard'}",
-            file=sys.stderr,
-        )
+        outputs = [f"run directory {where}"]
+        if cfg.run.report:
+            outputs.append(f"report {where / 'report.html'}")
+        if cfg.run.tensorboard:
+            outputs.append(f"TensorBoard: tensorboard --logdir {where / 'tensorboard'}")
+        print(f"staleflow: on {socket.gethostname()} (the driver's node): {', '.join(outputs)}",
+              file=sys.stderr)  # fmt: skip
     from staleflow.actors.tasks import TaskError
     from staleflow.actors.worker import PromptTooLongError, RewardError
     from staleflow.buffer.connection import BufferConnectionError

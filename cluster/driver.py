@@ -599,9 +599,9 @@ class Driver(CheckpointMixin):
 
         The first SIGINT (Ctrl-C) or SIGTERM (what `kill`, Slurm, Kubernetes and `ray job
         stop` send) asks for a clean stop at the next event: the step in flight finishes and
-        is acked, then checkpoint, summary, report, Ray and Redis go down. A second one
-        interrupts at once; cleanup (checkpoint, summary, shutdown) then runs to its end, and
-        signals during it are only logged."""
+        is acked, then checkpoint, summary, report (run.report), Ray and Redis go down. A
+        second one interrupts at once; cleanup (checkpoint, summary, shutdown) then runs to its
+        end, and signals during it are only logged."""
         previous = {
             sig: signal.signal(sig, self._on_stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)
         }

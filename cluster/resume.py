@@ -54,9 +54,9 @@ STATE_FORMAT = 1
 # would make the resumed half a different experiment from the first.
 RESUMABLE = (
     "run.steps", "run.eval_every", "run.checkpoint_every", "run.keep_checkpoints",
-    "run.tensorboard", "run.start_timeout_s", "rollout.num_workers", "rollout.max_restarts",
-    "rollout.batch_timeout_s", "rollout.vllm.gpu_memory_utilization", "buffer.redis_url",
-    "buffer.push_timeout_s",
+    "run.tensorboard", "run.report", "run.start_timeout_s", "rollout.num_workers",
+    "rollout.max_restarts", "rollout.batch_timeout_s", "rollout.vllm.gpu_memory_utilization",
+    "buffer.redis_url", "buffer.push_timeout_s",
 )  # fmt: skip
 
 

@@ -361,8 +361,8 @@ def run_status(run: Path) -> str:
 def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
     """How the config a cell's run was made with (its config.json) differs from the cell's
     config now (an edited sweep or base file): one "key: then -> now" per key. Keys only one
-    of the two has (a newer staleflow), the run's name and place and the Redis server's URL
-    are not compared."""
+    of the two has (a newer staleflow), the run's name and place, the Redis server's URL and
+    which outputs it writes (TensorBoard files, the report) are not compared."""
     from staleflow.cluster.resume import flatten
     from staleflow.configs.loader import redacted_dict
 
@@ -372,6 +372,7 @@ def config_changes(sweep: Sweep, cell: Cell) -> list[str]:
     now = flatten(redacted_dict(sweep.config(cell)))
     then = flatten(saved)
     where = ("run.name", "run.output_dir", "buffer.redis_url")  # (--parallel: in the env)
+    where += ("run.tensorboard", "run.report")  # outputs, not the experiment
     return [
         f"{key}: {json.dumps(then[key])} -> {json.dumps(now[key])}"
         for key in sorted(then.keys() & now.keys())

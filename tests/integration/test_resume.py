@@ -892,6 +892,7 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
         "run.checkpoint_every=2",
         "run.steps=4",
         "run.tensorboard=true",
+        "run.report=true",  # (the refusals leave it as it was)
         ONE_WORKER,
     )
     assert first["status"] == "completed"

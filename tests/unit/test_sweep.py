@@ -477,6 +477,23 @@ def test_completed_cells_made_with_other_settings_are_not_reported_as_new_ones(
     assert set(run_sweep(load_sweep(path, tmp_path / "o")).values()) == {"skipped (completed)"}
 
 
+def test_turning_a_sweeps_reports_off_changes_no_cells_settings(tmp_path, fake_driver):
+    # run.report (and run.tensorboard) say what a run writes, not what it trains: set in a
+    # sweep already run, they made every completed cell "changed" and the sweep refused
+    from staleflow.cluster.resume import resume_overrides_allowed
+    from staleflow.cluster.sweep import cell_status, config_changes, run_sweep
+
+    path = sweep_file(tmp_path, "overrides: {run.steps: 40}\ngrid: {run.seed: [0, 1]}\n")
+    run_sweep(load_sweep(path, tmp_path / "o"))
+    path.write_text(path.read_text().replace(
+        "run.steps: 40", "run.steps: 40, run.report: false, run.tensorboard: false"
+    ))  # fmt: skip
+    sweep = load_sweep(path, tmp_path / "o")
+    assert [config_changes(sweep, c) for c in sweep.cells] == [[], []]
+    assert [cell_status(sweep, c) for c in sweep.cells] == ["completed", "completed"]
+    resume_overrides_allowed(["run.report=false", "run.tensorboard=true"])  # nor a resume's
+
+
 def test_a_sweep_leaves_cells_and_directories_in_use_alone(tmp_path, fake_driver):
     import fcntl
     import os
