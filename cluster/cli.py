@@ -277,8 +277,9 @@ def _add_run_commands(sub: Any) -> None:
         help="continue a stopped, crashed or killed run from its last checkpoint (its buffer, "
         "schedule and curves too); overrides may lengthen it (run.steps=...) or change how "
         "it runs, not what it trains: run.steps, eval_every, checkpoint_every, "
-        "keep_checkpoints, tensorboard, start_timeout_s; rollout.num_workers, max_restarts, "
-        "batch_timeout_s, vllm.gpu_memory_utilization; buffer.redis_url, push_timeout_s",
+        "keep_checkpoints, tensorboard, report, start_timeout_s; rollout.num_workers, "
+        "max_restarts, batch_timeout_s, vllm.gpu_memory_utilization; buffer.redis_url, "
+        "push_timeout_s",
     )
     train.set_defaults(func=_lazy("cmd_train"))
 
