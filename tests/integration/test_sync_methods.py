@@ -257,18 +257,11 @@ def test_a_second_ctrl_c_while_a_broadcast_waits_keeps_the_steps_record(tmp_path
     assert [r["step"] for r in steps_of(list(read_metrics(run.metrics)))] == [1, 2, 3, 4]
 
 
-def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_member(
-    tmp_path, ray_local
-):
-    # Under gloo/nccl the step in flight at a stop still broadcast its weights, and a
-    # broadcast first waits for every member's call: here step 2's slow evaluation (its
-    # rewards sleep 0.5 s a response once the marker exists), so the stop's checkpoint came
-    # after it (eval 2, then checkpoint 3, seconds after the stop). The broadcast is now
-    # cancelled at a stop, the checkpoint comes first, and step 3's evaluation (due, skipped
-    # with the broadcast it needs) is made at the resume.
+def stops_as_step_3_starts(marker):
+    """A Driver that makes evaluations slow from step 2's on (touches `marker`, see
+    rewards.slow_once_marked_task) and asks for a stop (SIGINT) once step 3's learner call
+    is in flight, step 2's evaluation running."""
     import signal
-
-    marker, task = slow_once_marked_task(tmp_path, sleep_s=0.5)
 
     class StopsAsStep3Starts(Driver):
         def _evaluate(self, step):
@@ -279,7 +272,23 @@ def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_membe
         def _tick(self):
             super()._tick()
             if self.learning is not None and self.step == 2 and not self.stop_requested:
-                self._on_stop_signal(signal.SIGINT, None)  # step 3 in flight, eval 2 running
+                self._on_stop_signal(signal.SIGINT, None)
+
+    return StopsAsStep3Starts
+
+
+def test_a_stop_under_a_broadcast_method_checkpoints_before_it_waits_for_a_member(
+    tmp_path, ray_local
+):
+    # Under gloo/nccl the step in flight at a stop still broadcast its weights, and a
+    # broadcast first waits for every member's call: here step 2's slow evaluation (its
+    # rewards sleep 0.5 s a response once the marker exists), so the stop's checkpoint came
+    # after it (eval 2, then checkpoint 3, seconds after the stop). The broadcast is now
+    # cancelled at a stop, the checkpoint comes first, and step 3's evaluation (due, skipped
+    # with the broadcast it needs) is made at the resume.
+    marker, task = slow_once_marked_task(tmp_path, sleep_s=0.5)
+
+    StopsAsStep3Starts = stops_as_step_3_starts(marker)
 
     args = [
         "run.name=s", "run.steps=5", "run.eval_every=1", "run.checkpoint_every=100",
@@ -318,23 +327,12 @@ def test_a_lockstep_stop_under_a_broadcast_method_checkpoints_its_step_first(
     # warning and written at the end (records eval 0, 1, 2, checkpoint 3). The returned
     # calls are now handled first: v3 is broadcast, step 3's evaluation starts, and the
     # checkpoint comes before it.
-    import signal
-
     import staleflow.cluster.driver as driver_module
 
     monkeypatch.setattr(driver_module, "LEARNER_WAIT_S", 60.0)
     marker, task = slow_once_marked_task(tmp_path, sleep_s=0.5, held_out_only=True)
 
-    class StopsAsStep3Starts(Driver):
-        def _evaluate(self, step):
-            if step == 2:
-                marker.touch()
-            super()._evaluate(step)
-
-        def _tick(self):
-            super()._tick()
-            if self.learning is not None and self.step == 2 and not self.stop_requested:
-                self._on_stop_signal(signal.SIGINT, None)  # step 3 in flight, eval 2 running
+    StopsAsStep3Starts = stops_as_step_3_starts(marker)
 
     args = [
         "run.name=l", "run.steps=4", "run.eval_every=1", "run.checkpoint_every=100",
