@@ -480,7 +480,6 @@ class Driver(CheckpointMixin):
         is left to `_drain` (its part is redone at the resume)."""
         import ray
 
-        shards = set(self.rollouts.shards)
         if self.schedule.lockstep and not self._waited_for_returning:
             self._waited_for_returning = True
             redone = self.resumed.versions if self.resumed is not None else {}
@@ -490,7 +489,15 @@ class Driver(CheckpointMixin):
             ]  # fmt: skip
             if returning:
                 ray.wait(returning, num_returns=len(returning), timeout=RETURNING_PARTS_S)
-        refs = [*shards, *self.evaluations.refs]
+        self._handle_returned([*self.rollouts.shards, *self.evaluations.refs])
+
+    def _handle_returned(self, refs: list[Any]) -> None:
+        """Handle those of `refs` (batch parts, evaluations) that have returned, without
+        waiting; one that failed is left as it is (`_drain`: its part is redone at the
+        resume)."""
+        import ray
+
+        shards = set(self.rollouts.shards)
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
         for ref in done:
             try:
@@ -802,14 +809,7 @@ class Driver(CheckpointMixin):
                     "waited for, their accuracy is missing", len(late), limit,
                 )  # fmt: skip
         self.evaluations.running = []  # a retry started just now is not waited for
-        shards = list(self.rollouts.shards)
-        done, _ = ray.wait(shards, num_returns=len(shards), timeout=0)
-        for ref in done:  # count what finished already (a failed one is redone on resume)
-            try:
-                ray.get(ref)
-            except Exception:
-                continue
-            self._on_batch_done(ref)
+        self._handle_returned(list(self.rollouts.shards))  # what finished already counts
         self.rollouts.abandon()  # the rest (see Rollouts.abandon)
 
     def _poll_control(self) -> None:
