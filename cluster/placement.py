@@ -56,6 +56,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+# A Ray this process starts prestarts one idle Python worker per CPU for its first driver.
+# staleflow's actors carry a runtime_env (their thread counts), so none of them can use those
+# workers: on a 2-core machine they cost about 2 CPU-s and 1 s before the first actor call
+# answers (bench/ray_start.py). Off for every Ray staleflow starts (the tests' too); a cluster
+# it joins keeps its own setting.
+NO_PRESTART: dict[str, Any] = {"prestart_worker_first_driver": False}
+
 
 def start_ray(
     address: str | None, cfg: Any = None, log_to_driver: bool = True, runs: int = 1
@@ -120,7 +127,7 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool, runs: int = 1
     stores = [b for b in map(object_store_bytes, cfgs) if b is not None]
     store = runs * max(stores) if stores else None  # (None: Ray's default size)
     if store is None:
-        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", **kwargs)
+        ray.init(num_cpus=cpus, _node_ip_address="127.0.0.1", _system_config=NO_PRESTART, **kwargs)
         return
     # Pages of a fresh object store fault in on first write: pre-faulted, putting 651 MB of
     # weights takes less than half the time (bench/sync.py). Only in shared memory: where
@@ -132,7 +139,7 @@ def _start_ray(address: str | None, cfg: Any, log_to_driver: bool, runs: int = 1
             "disk (one over 10 GB it refuses), and weight publishes will be slower (give the "
             "container a larger /dev/shm, e.g. docker --shm-size)", store >> 20,
         )  # fmt: skip
-    system: dict[str, Any] = {"preallocate_plasma_memory": prefault}
+    system: dict[str, Any] = {**NO_PRESTART, "preallocate_plasma_memory": prefault}
     if prefault:
         # The raylet connects to its store once the store is pre-faulted, and gives up after
         # 10 one-second attempts: faulting 2.7 GB in took 9.4 s on a 2-core machine, so a

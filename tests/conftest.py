@@ -50,6 +50,8 @@ def ray_local() -> Iterator[None]:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
+    from staleflow.cluster.placement import NO_PRESTART
+
     ray.init(
         address="local",  # never a cluster `ray start` left on this machine
         num_cpus=8,  # logical: two workers and a learner fit, the OS shares the 2 cores
@@ -57,6 +59,7 @@ def ray_local() -> Iterator[None]:
         _node_ip_address="127.0.0.1",
         log_to_driver=False,
         configure_logging=False,
+        _system_config=NO_PRESTART,  # idle workers no actor here could use, as in a run
     )
     yield
     ray.shutdown()

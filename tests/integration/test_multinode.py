@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from staleflow.cluster.placement import NO_PRESTART
 from tests.integration.test_system import (
     assert_reconciled,
     ctrl_c,
@@ -19,6 +20,9 @@ from tests.integration.test_system import (
 from tests.integration.tiny import TINY
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# no idle workers prestarted, as in the Ray a local run starts (the GCS gives every node this)
+HEAD = {"include_dashboard": False, "_system_config": NO_PRESTART}
 
 
 @pytest.fixture
@@ -31,7 +35,7 @@ def two_nodes():
     cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"num_cpus": 2, "include_dashboard": False},
+        head_node_args={"num_cpus": 2, **HEAD},
     )
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
@@ -108,7 +112,7 @@ def test_ipc_keeps_the_workers_on_learner_rank_0s_node(tmp_path):
     cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"num_cpus": 1, "include_dashboard": False},
+        head_node_args={"num_cpus": 1, **HEAD},
     )
     try:
         cluster.add_node(num_cpus=3)
@@ -146,7 +150,7 @@ def test_workers_scale_onto_a_new_node_and_survive_losing_one(tmp_path):
     cluster = Cluster(
         initialize_head=True,
         connect=False,
-        head_node_args={"num_cpus": 2, "resources": {"learner": 1}, "include_dashboard": False},
+        head_node_args={"num_cpus": 2, "resources": {"learner": 1}, **HEAD},
     )
     try:
         first = cluster.add_node(num_cpus=2, resources={"rollout": 1})
