@@ -22,10 +22,11 @@ from typing import Any
 from staleflow.actors.engine import RolloutEngine, SamplingParams, WeightsUpdate
 from staleflow.actors.models import PromptTooLongError, prompt_ids
 from staleflow.actors.tasks import Prompt, Task, make_task
+from staleflow.buffer.ports import node_address
 from staleflow.buffer.records import FINISH_REASONS, Group, Response, batch_group_id
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.learner.ipc import SharedWeights
-from staleflow.learner.sync_group import node_address, ray_place
+from staleflow.learner.sync_group import ray_place
 
 __all__ = [
     "BatchReport",

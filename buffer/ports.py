@@ -1,13 +1,33 @@
 """Free ports for listeners that bind a moment after they are chosen: the run's Redis (and its
-restart on the same port), the learners' rendezvous, a weight-sync group. Here, in the lowest
-layer, because the buffer's server needs it and must not import torch."""
+restart on the same port), the learners' rendezvous, a weight-sync group; and this node's
+address. Here, in the lowest layer, because the buffer's server needs them and must not import
+torch (nor may the Ray task that finds where learner ranks meet: its worker process imports
+this module only)."""
 
 from __future__ import annotations
 
 import random
 import socket
 
-__all__ = ["free_port"]
+__all__ = ["free_port", "meeting_point", "node_address"]
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (what other nodes reach), else the hostname's."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    return socket.gethostbyname(socket.gethostname())
+
+
+def meeting_point() -> tuple[str, int]:
+    """Where learner ranks meet, run as a Ray task in rank 0's bundle: the address of the node
+    it runs on and a port free there."""
+    return node_address(), free_port()
 
 
 def free_port(host: str = "") -> int:

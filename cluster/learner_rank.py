@@ -13,26 +13,28 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from staleflow.buffer.entries import Receipt
-from staleflow.buffer.ports import free_port
+from staleflow.buffer.ports import free_port, node_address
 from staleflow.buffer.records import Group
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.cluster.schedule import groups_per_step
 from staleflow.cluster.trajectories import TrajectoryLog
 from staleflow.learner.feed import BatchFeed
 from staleflow.learner.ipc import WeightSharer, mps_hint
-from staleflow.learner.learner import Learner
 from staleflow.learner.publish import (
     CheckpointPublisher,
     RayPublisher,
     broadcast_send,
     tensor_layouts,
 )
-from staleflow.learner.sync_group import SyncGroup, node_address, ray_place
+from staleflow.learner.sync_group import SyncGroup, ray_place
+
+if TYPE_CHECKING:  # imported in the rank's process: a driver starts ranks without torch
+    from staleflow.learner.learner import Learner
 
 __all__ = ["LearnerRank", "StepReport"]
 
@@ -77,11 +79,15 @@ class LearnerRank:
     ) -> None:
         for directory in shared:  # before the rendezvous: a rank that fails here fails fast
             directory.check(f"learner rank {rank} on {node_address()}")
+        if master[1] == 0:  # one rank (LearnerGroup): a port of its own, on loopback
+            master = (master[0], free_port())
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
         self.cfg = cfg
-        self.learner = Learner(cfg, rank=rank, world_size=world_size)
+        from staleflow.learner.learner import Learner
+
+        self.learner: Learner = Learner(cfg, rank=rank, world_size=world_size)
         self.rank, self.world_size = rank, world_size
         self.sync_group: Any = None
         self.sharer: WeightSharer | None = None  # sync.method ipc, rank 0

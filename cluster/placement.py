@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from staleflow.actors.tasks import Prompt
 from staleflow.actors.worker import RolloutWorker
-from staleflow.buffer.ports import free_port
+from staleflow.buffer.ports import meeting_point
 from staleflow.cluster.failures import (
     ClusterUnreachable,
     LearnerFailed,
@@ -40,7 +40,6 @@ from staleflow.cluster.failures import (
 from staleflow.cluster.learner_rank import LearnerRank
 from staleflow.cluster.resources import ipc_bundle, strictly_spread
 from staleflow.learner.device import hidden_gpus_env
-from staleflow.learner.sync_group import node_address
 
 __all__ = [
     "ActorStartError",
@@ -500,10 +499,7 @@ class LearnerGroup:
         )
         timeout = self.cfg.run.start_timeout_s
         try:
-            host, port = ray.get(
-                _rendezvous.options(scheduling_strategy=self._in_bundle(0)).remote(),
-                timeout=timeout,
-            )
+            self.master = self._meeting_point(timeout)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.group)
             raise StartTimeout(
@@ -516,7 +512,6 @@ class LearnerGroup:
                     else ""
                 )
             ) from None
-        self.master = (str(host), int(port))
         actor = ray.remote(LearnerRank)  # type: ignore[attr-defined]
         self.ranks = [
             actor.options(
@@ -537,6 +532,18 @@ class LearnerGroup:
             )
             for rank in range(learner.num_ranks)
         ]
+
+    def _meeting_point(self, timeout: float) -> tuple[str, int]:
+        """Once the group is placed (GetTimeoutError if not within `timeout`): where the ranks
+        meet, bundle 0's node and a port free there, found by a task in that bundle. One rank
+        meets no one: it takes a loopback port of its own (port 0 here), and no task runs."""
+        if self.cfg.learner.num_ranks > 1:
+            where = _meeting_point.options(scheduling_strategy=self._in_bundle(0)).remote()
+            host, port = ray.get(where, timeout=timeout)
+            return str(host), int(port)
+        if not self.group.wait(timeout_seconds=timeout):
+            raise ray.exceptions.GetTimeoutError(f"the learner's group not placed in {timeout} s")
+        return "127.0.0.1", 0
 
     def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:
         return PlacementGroupSchedulingStrategy(
@@ -678,11 +685,8 @@ class LearnerGroup:
                 remove_placement_group(self.group)
 
 
-@ray.remote(num_cpus=0)
-def _rendezvous() -> tuple[str, int]:
-    """Where the learner ranks meet: the address of the node this runs on (bundle 0's, rank
-    0's) and a port free there."""
-    return node_address(), free_port()
+# a Ray task in rank 0's bundle; its worker process imports staleflow.buffer.ports alone
+_meeting_point = ray.remote(num_cpus=0)(meeting_point)
 
 
 class ActorStartError(RuntimeError):

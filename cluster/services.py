@@ -37,6 +37,7 @@ class Services:
         rollout workers, ready to run."""
         import ray
 
+        from staleflow.buffer.ports import node_address
         from staleflow.buffer.replay import ReplayBuffer
         from staleflow.buffer.server import RedisServer, redis_dir
         from staleflow.cluster.placement import LearnerGroup, WorkerPool, start_ray, wait_started
@@ -47,7 +48,6 @@ class Services:
             run_requests,
         )
         from staleflow.cluster.weights import WeightSync
-        from staleflow.learner.sync_group import node_address
 
         cfg, run_id = self.cfg, self.rundir.key
         self.started_ray = not ray.is_initialized() and not self.address
@@ -113,7 +113,8 @@ class Services:
         self.sync = WeightSync(cfg, self.learner, self.pool)
         self.placement = {
             "learner_nodes": _nodes_of(self.learner.ranks),
-            "rendezvous": "{}:{}".format(*self.learner.master),
+            # (a one-rank learner meets no one: rank 0 picks a loopback port of its own)
+            "rendezvous": "{}:{}".format(*self.learner.master) if self.learner.master[1] else None,
             "worker_nodes": _nodes_of([slot.handle for slot in self.pool.slots]),
             "driver_node": ray.get_runtime_context().get_node_id(),
             "node_addresses": {
@@ -132,8 +133,8 @@ class Services:
         """Markers for the directories actors write or read on the driver's behalf (the run
         directory for the learner ranks; with sync.method checkpoint the publish directory
         for them and the workers too), which each checks at start (cluster/storage.py)."""
+        from staleflow.buffer.ports import node_address
         from staleflow.cluster.storage import SharedDir
-        from staleflow.learner.sync_group import node_address
 
         writer = node_address()
         run = SharedDir.mark(self.rundir.path, "the run directory", writer)
@@ -214,8 +215,8 @@ def _check_not_loopback(url: str) -> None:
     learner there would each look on their own machine, not at the server."""
     import ray
 
+    from staleflow.buffer.ports import node_address
     from staleflow.configs.loader import ConfigError
-    from staleflow.learner.sync_group import node_address
 
     where = _machine_local(url)
     if where is None:

@@ -11,8 +11,10 @@ if it sees none, it fails with what to change, instead of falling back to the CP
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: the driver needs hidden_gpus_env, not torch
+    import torch
 
 __all__ = ["DeviceError", "hidden_gpus_env", "role_device"]
 
@@ -23,6 +25,8 @@ class DeviceError(RuntimeError):
 
 def role_device(gpus: float, setting: str) -> torch.device:
     """The device of a role given `gpus` (its GPU share, the config key named `setting`)."""
+    import torch
+
     if gpus <= 0:
         return torch.device("cpu")
     if not torch.cuda.is_available():

@@ -22,15 +22,17 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from staleflow.buffer.ports import node_address
+
+if TYPE_CHECKING:  # torch is imported where it is used: a driver imports this without it
+    import torch
 
 __all__ = [
     "SyncGroup",
     "gloo_on_node_interface",
     "interface_of",
-    "node_address",
     "ray_place",
 ]
 
@@ -97,6 +99,8 @@ class SyncGroup:
     @property
     def device(self) -> torch.device:
         """Where broadcast tensors must live for this backend."""
+        import torch
+
         return (
             torch.device("cuda", torch.cuda.current_device())
             if self.backend == "nccl"
@@ -137,18 +141,6 @@ class SyncGroup:
                 "abort" if abort else "shutdown",
                 wait_s,
             )
-
-
-def node_address() -> str:
-    """This node's address as Ray knows it (what other nodes reach), else the hostname's."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
-    except ImportError:  # pragma: no cover - ray is a dependency
-        pass
-    return socket.gethostbyname(socket.gethostname())
 
 
 def ray_place() -> tuple[str, list[str]]:
