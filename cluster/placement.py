@@ -458,7 +458,9 @@ class LearnerGroup:
     cfg: Any
     ranks: list[Any] = field(default_factory=list)
     group: Any = None  # the ranks' placement group
-    master: tuple[str, int] = ("", 0)  # where they rendezvous: rank 0's node and a free port
+    # where they rendezvous: rank 0's node and a free port; one rank: ("127.0.0.1", 0), rank
+    # 0 picks a port of its own
+    master: tuple[str, int] = ("", 0)
 
     publish_dir: str | None = None
     redis_url: str | None = None
@@ -541,8 +543,9 @@ class LearnerGroup:
             where = _meeting_point.options(scheduling_strategy=self._in_bundle(0)).remote()
             host, port = ray.get(where, timeout=timeout)
             return str(host), int(port)
-        if not self.group.wait(timeout_seconds=timeout):
-            raise ray.exceptions.GetTimeoutError(f"the learner's group not placed in {timeout} s")
+        # (ready(): the GCS answers, no task runs; ray.get keeps Ctrl-C working meanwhile,
+        # where PlacementGroup.wait blocks in C++ and truncates the timeout to whole seconds)
+        ray.get(self.group.ready(), timeout=timeout)
         return "127.0.0.1", 0
 
     def _in_bundle(self, index: int) -> PlacementGroupSchedulingStrategy:

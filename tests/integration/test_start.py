@@ -48,6 +48,32 @@ def test_an_actor_no_node_can_hold_times_out_naming_what_the_cluster_has(ray_act
     assert "learner ranks" not in message  # the one that started is not blamed
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_learner_group_no_node_can_place_times_out_and_is_removed(ray_local, ranks):
+    # One rank waits for its group itself (no task runs; a Ctrl-C still interrupts the wait),
+    # several ranks for the task that finds where they meet: either way the limit ends it,
+    # naming the setting and what the cluster has, and the group is not left holding room.
+    from ray.util.placement_group import placement_group_table
+
+    from staleflow.cluster.placement import LearnerGroup, StartTimeout
+    from staleflow.configs import parse_config
+    from tests.integration.tiny import TINY
+
+    cfg = parse_config(TINY, ["run.start_timeout_s=1.5", f"learner.num_ranks={ranks}",
+                              'learner.resources={"no_such_node": 1}'])  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(StartTimeout) as raised:
+        LearnerGroup(cfg, run_id=f"unplaced-{ranks}")
+    assert time.monotonic() - started >= 1.5  # the whole limit, not its whole seconds
+    message = str(raised.value)
+    assert message.startswith(f"the learner's {ranks} rank(s) (bundles ")
+    assert "were not placed within 1.5 s (run.start_timeout_s); the cluster has {" in message
+    groups = [g for g in placement_group_table().values()
+              if g["name"] == f"staleflow-learner-unplaced-{ranks}"]  # fmt: skip
+    assert groups
+    assert all(g["state"] == "REMOVED" for g in groups), groups
+
+
 def test_a_constructor_that_raises_ends_the_start_at_once(ray_actors):
     import ray
 
