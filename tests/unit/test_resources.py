@@ -424,7 +424,7 @@ def test_the_strict_spread_rule_holds_for_the_ipc_bundle_too():
 def test_the_driver_and_the_learners_meeting_task_import_no_torch():
     # A run's driver process and the Ray task that finds where learner ranks meet used to
     # import torch (1.7 s) and, the driver, everything behind the learner rank's module: a
-    # tiny run's driver took 4.5 CPU-s, 2.0 after. Only the actors need torch.
+    # tiny run's driver took 4.5 CPU-s, 2.0 after (bench/run_cpu.py). Only the actors need it.
     import subprocess
     import sys
 
