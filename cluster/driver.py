@@ -906,7 +906,10 @@ class Driver(CheckpointMixin):
         idle = idle_workers_warning(self.cfg, self.cfg.rollout.num_workers)
         if idle:
             logger.warning("%s", idle)
-        self.services.start(resume=self.resume)
+        self.services.start(
+            resume=self.resume,
+            check_buffer=self._check_buffer_as_left if self.resumed is not None else None,
+        )
         self.learner.while_waiting = self._check_redis  # also during checkpoints and publishes
         self.rollouts = Rollouts(
             self.cfg,

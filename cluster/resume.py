@@ -218,14 +218,15 @@ class CheckpointMixin:
             logger.warning("checkpoint at step %d: the embedded Redis is not running, so its "
                            "log was not made durable now; %s", self.step, risk)  # fmt: skip
 
-    def _restore(self: Any, r: Resume) -> None:
-        """Continue from the checkpoint `r`: the learner loads it and gets back the groups
-        held since; the schedule's counts, the batches to redo and older weights return."""
-        from staleflow.cluster.failures import LearnerFailed
-
-        started = time.monotonic()
-        old = r.check_old_weights(self.schedule, self.cfg.sync.method)
-        acked = self.buffer.stats().acked
+    def _check_buffer_as_left(self: Any, buffer: Any) -> None:
+        """A resume's checks of the buffer as the stopped run left it, made as soon as the
+        buffer is reached, before any learner rank or rollout worker starts (Services.start):
+        a resume refused here costs a Redis and a Ray, not the start of every actor. The
+        counts that only the checkpoint's load settles are checked again in _restore."""
+        r = self.resumed
+        assert r is not None
+        stats = buffer.stats()
+        acked = stats.acked
         if acked and r.checkpoint is None:
             raise ResumeError(
                 f"{self.rundir.path} has no checkpoint, but the buffer has acknowledged "
@@ -241,27 +242,23 @@ class CheckpointMixin:
                 "be resumed exactly from here; restore the run's newest checkpoint and its "
                 "LATEST, or start a new run"
             )
+        if stats.pushed < r.flow.pushed:
+            raise _lost_its_data(stats, r)
+
+    def _restore(self: Any, r: Resume) -> None:
+        """Continue from the checkpoint `r`: the learner loads it and gets back the groups
+        held since; the schedule's counts, the batches to redo and older weights return."""
+        from staleflow.cluster.failures import LearnerFailed
+
+        started = time.monotonic()
+        old = r.check_old_weights(self.schedule, self.cfg.sync.method)
         try:
             recovered = self.learner.load(str(r.checkpoint) if r.checkpoint else None, r.step)
         except LearnerFailed as exc:
             raise ResumeError(f"the learner could not load {r.checkpoint}: {exc}") from None
         stats = self.buffer.stats()  # (the load acked the checkpoint's groups if not yet)
         if (stats.acked == 0 < r.counts.trained) or (stats.pushed < r.flow.pushed):
-            # an empty or another buffer, or one that lost its last writes (_sync_buffer_log):
-            # groups the checkpoint counts as pushed are gone, and a run that waits for them
-            # would wait for ever (a batch it counts as done is not redone)
-            raise ResumeError(
-                f"the replay buffer has {stats.pushed} groups pushed and {stats.acked} "
-                f"trainings acknowledged, but {r.checkpoint or 'the run'} counts "
-                f"{r.flow.pushed} pushed and {r.counts.trained} trained: this is not the "
-                "run's buffer, or it lost its data (an embedded Redis whose files were "
-                "removed or a run with buffer.persistence: false; an external Redis restarted "
-                "without persistence, flushed, or another buffer.redis_url; fewer pushed "
-                "than counted, a Redis whose machine went down before its log reached the "
-                "disk: an external one fsyncs by its own appendfsync policy, the embedded "
-                "one at each checkpoint, unless the run's log warns it could not). Resume "
-                "against the run's own buffer, or start a new run"
-            )
+            raise _lost_its_data(stats, r)
         if stats.acked < r.counts.trained:
             logger.warning(
                 "the buffer counts %d acknowledged trainings, %s counts %d: the summary will "
@@ -296,6 +293,25 @@ class CheckpointMixin:
         checkpoint = None if r.checkpoint is None else str(r.checkpoint)  # (null, not "None")
         self.metrics.write("resume", r.step, checkpoint=checkpoint, recovered=recovered,
                            redo=self.redo, restore_s=seconds)  # fmt: skip
+
+
+def _lost_its_data(stats: Any, r: Resume) -> ResumeError:
+    """Why a resume cannot use a buffer with fewer groups pushed (or no trainings
+    acknowledged) than its checkpoint counts: an empty or another buffer, or one that lost its
+    last writes (_sync_buffer_log). Groups the checkpoint counts as pushed are gone, and a run
+    that waited for them would wait for ever (a batch it counts as done is not redone)."""
+    return ResumeError(
+        f"the replay buffer has {stats.pushed} groups pushed and {stats.acked} "
+        f"trainings acknowledged, but {r.checkpoint or 'the run'} counts "
+        f"{r.flow.pushed} pushed and {r.counts.trained} trained: this is not the "
+        "run's buffer, or it lost its data (an embedded Redis whose files were "
+        "removed or a run with buffer.persistence: false; an external Redis restarted "
+        "without persistence, flushed, or another buffer.redis_url; fewer pushed "
+        "than counted, a Redis whose machine went down before its log reached the "
+        "disk: an external one fsyncs by its own appendfsync policy, the embedded "
+        "one at each checkpoint, unless the run's log warns it could not). Resume "
+        "against the run's own buffer, or start a new run"
+    )
 
 
 def versions_to_keep(schedule: Any, flow: Flow) -> set[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,12 @@ class Services:
     started_ray: bool = False
     placement: dict[str, Any] | None = None  # which node each actor runs on (summary.json)
 
-    def start(self, resume: bool = False) -> None:
+    def start(
+        self, resume: bool = False, check_buffer: Callable[[Any], None] | None = None
+    ) -> None:
         """Redis (embedded unless buffer.redis_url), an empty buffer for this run (or, with
-        `resume`, the one it left), Ray, the placement check, the learner ranks and the
+        `resume`, the one it left, first handed to `check_buffer`, which raises to refuse it
+        before any actor starts), Ray, the placement check, the learner ranks and the
         rollout workers, ready to run."""
         import ray
 
@@ -74,6 +78,8 @@ class Services:
             stats = self.buffer.stats()
             logger.info("resuming with the buffer as left: %d stored, %d pending, %d pushed",
                         stats.length, stats.pending, stats.pushed)  # fmt: skip
+            if check_buffer is not None:
+                check_buffer(self.buffer)
         else:
             self.buffer.clear()  # a new run starts empty (its key is new: RunDir.key)
         publish_dir = self.publish_dir

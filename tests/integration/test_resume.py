@@ -908,8 +908,11 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
             and p.parts[len(run.path.parts)] not in ("logs", "redis")
         }  # fmt: skip
 
-    def refused(*messages: str) -> None:
+    log = run.path / "logs/driver.log"
+
+    def refused(*messages: str, by_the_buffer: bool = False) -> None:
         before = files()
+        logged = log.stat().st_size if log.exists() else 0  # (the CLI writes it)
         proc = staleflow("train", "--resume", str(run.path), "run.steps=6", cwd=tmp_path)
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 2, out[-3000:]
@@ -917,6 +920,12 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
             assert message in out, out[-3000:]
         assert "Traceback" not in out
         assert files() == before  # nothing in the run directory changed
+        if by_the_buffer:  # refused once the buffer was reached, before any actor started
+            with log.open() as f:
+                f.seek(logged)
+                this = f.read()
+            assert "resuming with the buffer as left" in this, this[-3000:]
+            assert "services: placement: " not in this, this[-3000:]  # (once every actor is up)
 
     config = run.config.read_text()
     run.config.write_text(config.replace('"name": "rec-oneside-nois"', '"name": "rec-oneside-is"'))
@@ -938,12 +947,15 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     (tmp_path / "aside").rename(ckpt)
 
     # without metrics.jsonl's record of the later checkpoint, the buffer's own count of acked
-    # trainings still refuses the older one, after Ray and Redis started: status.json is put
-    # back, summary, report and metrics are left alone
+    # trainings still refuses the older one, once Ray and Redis are up and before any actor
+    # starts (Driver._check_buffer_as_left): status.json is put back, summary, report and
+    # metrics are left alone
     kept = [r for r in read_metrics(run.metrics) if r["kind"] != "checkpoint"]
     run.metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
     run.mark_latest_checkpoint(run.checkpoints / "step-000002")
-    refused("the buffer has acknowledged 8 trainings, but", "step-000002 counts 4")
+    refused(
+        "the buffer has acknowledged 8 trainings, but", "step-000002 counts 4", by_the_buffer=True
+    )
     # and with no checkpoint at all (removed here; or a run of run.checkpoint_every=0, whose
     # groups were acked as trained, stopped before its final one): it named "a later
     # checkpoint", and with checkpoint_every=0 in the resume's overrides it was refused
@@ -952,7 +964,7 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
     run.checkpoints.rename(tmp_path / "checkpoints-aside")
     run.checkpoints.mkdir()
     refused("has no checkpoint, but the buffer has acknowledged 8 trainings: its groups were "
-            "acked as they were trained")  # fmt: skip
+            "acked as they were trained", by_the_buffer=True)  # fmt: skip
     run.checkpoints.rmdir()
     (tmp_path / "checkpoints-aside").rename(run.checkpoints)
 
@@ -982,11 +994,13 @@ def test_a_resume_refuses_a_missing_damaged_or_older_checkpoint_and_changes_noth
         "the replay buffer has 6 groups pushed and 8 trainings acknowledged, but",
         "counts 8 pushed and 8 trained: this is not the run's buffer, or it lost its data",
         "fewer pushed than counted, a Redis whose machine went down before its log",
+        by_the_buffer=True,
     )
     shutil.rmtree(redis_dir(run.path))
     refused(
         "the replay buffer has 0 groups pushed and 0 trainings acknowledged, but",
         "counts 8 pushed and 8 trained: this is not the run's buffer, or it lost its data",
+        by_the_buffer=True,
     )
 
 
