@@ -66,11 +66,23 @@ def _rank(rank: int, port: int, groups: list, out_dir: str) -> None:
     _leave()
 
 
+# The ranks' processes are forked from a fork server that imported torch, DeepSpeed, GPT-2's
+# transformers classes and this module once; spawned, each of them spent about 5 CPU-seconds
+# on those imports, most of this module's CPU on a 2-core machine. The server is a process of
+# its own, started clean (not a fork of pytest), with no threads when it forks: each rank is
+# still a fresh process with its own gloo group and DeepSpeed engine.
+_RANKS = mp.get_context("forkserver")
+_RANKS.set_forkserver_preload(
+    ["torch", "deepspeed", "transformers.models.gpt2.modeling_gpt2", "tokenizers",
+     "staleflow.learner.learner", "tests.integration.test_learner_ranks"]
+)  # fmt: skip
+
+
 def _run_ranks(target, args: tuple, timeout_s: float = 300) -> list[int | None]:
-    """Run `target(rank, port, *args)` as ranks 0 and 1 (spawned processes); their exit
+    """Run `target(rank, port, *args)` as ranks 0 and 1 (processes of their own); their exit
     codes (None: still running at the timeout, e.g. waiting in a collective; then killed)."""
     port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
-    ctx = mp.get_context("spawn")
+    ctx = _RANKS
     procs = [ctx.Process(target=target, args=(r, port, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
