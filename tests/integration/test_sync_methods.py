@@ -113,21 +113,29 @@ def test_ipc_keeps_every_version_an_offset_needs_and_a_resume_gets_them(tmp_path
     assert old == [f"weights-v0000000{v}.safetensors" for v in (5, 6)]
 
 
-def test_the_driver_does_not_grow_an_ipc_run_past_its_bundle(tmp_path, ray_local, caplog):
-    """The workers of an ipc run live in learner rank 0's placement-group bundle, sized at the
-    start for rollout.num_workers: a request for more (`staleflow scale` refuses it first)
-    is refused by the driver too, not left as a worker waiting forever for room."""
-    overrides = ["sync.method=ipc", "sync.offset=0", "run.steps=3", "rollout.num_workers=2"]
+def test_an_async_ipc_run_reconciles_and_is_not_grown_past_its_bundle(tmp_path, ray_local, caplog):
+    """An async run through learner rank 0's shared memory reconciles within its bound. Its
+    workers live in rank 0's placement-group bundle, sized at the start for
+    rollout.num_workers: a request for more (`staleflow scale` refuses it first) is refused
+    by the driver too, not left as a worker waiting forever for room. (Async gloo is run by
+    test_async_gloo_run_scaled_up_mid_run_brings_the_new_engine_into_the_broadcast.)"""
+    overrides = ["sync.method=ipc", "sync.mode=async", "sync.offset=0", "buffer.max_staleness=2",
+                 "run.steps=5", "rollout.num_workers=2"]  # fmt: skip
     cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", *overrides])
     run = RunDir.create(str(tmp_path), "grow")
     run.request_workers(3)  # read at the driver's first poll
     with caplog.at_level(logging.ERROR, logger="staleflow.cluster.driver"):
         summary = Driver(cfg, run).run()
     assert summary["status"] == "completed"
-    assert summary["groups"]["reconciled"]
+    assert summary["groups"]["reconciled"], summary["groups"]
+    records = list(read_metrics(run.metrics))
+    assert max(r["lag_max"] for r in steps_of(records)) <= 2
     assert "not scaling to 3 rollout workers: sync.method: ipc reserves room for" in caplog.text
-    assert not [r for r in read_metrics(run.metrics) if r["kind"] == "scale"]
+    assert not [r for r in records if r["kind"] == "scale"]
     assert run.take_worker_request() is None  # taken, not left for later
+    assert ipc_files(run) == set()  # learner rank 0 removed its files in /dev/shm at the end
+    assert not run.report.exists()  # run.report: false (tiny.TINY): no report, no plots
+    assert not list(run.plots.glob("*.png"))
 
 
 def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(
@@ -378,19 +386,6 @@ def test_a_step_that_fails_its_lag_check_is_not_checkpointed(tmp_path, ray_local
     assert not (run.checkpoints / "LATEST").exists()
     summary = json.loads((run.path / "summary.json").read_text())
     assert summary["learner_error"] == "step 2: injected: lag disagrees"
-
-
-@pytest.mark.parametrize("method", ["gloo", "ipc"])
-def test_async_run_reconciles_with_each_sync_method(tmp_path, ray_local, method):
-    _cfg, run, summary, records = run_driver(
-        tmp_path, f"sync.method={method}", "sync.mode=async", "sync.offset=0",
-        "buffer.max_staleness=2", "run.steps=5",
-    )  # fmt: skip
-    assert summary["status"] == "completed"
-    assert summary["groups"]["reconciled"], summary["groups"]
-    assert max(r["lag_max"] for r in steps_of(records)) <= 2
-    assert not run.report.exists()  # run.report: false (tiny.TINY): no report, no plots
-    assert not list(run.plots.glob("*.png"))
 
 
 def test_async_gloo_run_scaled_up_mid_run_brings_the_new_engine_into_the_broadcast(

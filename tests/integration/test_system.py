@@ -58,14 +58,17 @@ def assert_reconciled(summary):
 # ----------------------------------------------------------------------------- lockstep
 
 
-# Three settings split each batch over two workers (its parts may finish in either order);
+# Two settings split each batch over two workers (its parts may finish in either order);
 # the rest run one worker, an actor process fewer (tests/integration/tiny.py, ONE_WORKER).
-SPLIT = {(1, 1), (4, 10), (20, 1)}
+# (1, 0) and (1, 1) are not repeated here: (1, 0) is the default schedule of most runs of
+# the suite, and (1, 1) that of the chaos run (two workers) and of the resume tests, and the
+# driver checks every lock-step step's lag against the formula (Schedule.check_lag).
+SPLIT = {(4, 10), (20, 1)}
 
 
 @pytest.mark.parametrize(
     ("interval", "offset"),
-    [(1, 0), (1, 1), (4, 1), (4, 10), (20, 1), (1, 100)],
+    [(4, 1), (4, 10), (20, 1), (1, 100)],
     ids=lambda v: str(v),
 )
 def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, interval, offset):
