@@ -207,7 +207,13 @@ def test_a_broadcast_member_dying_while_idle_is_replaced_not_a_learner_failure(t
     # A lock-step worker spends each learner step idle, with no call in flight to report its
     # death: the next broadcast included the dead member, gloo failed learner rank 0's call
     # ("Connection reset by peer") and the run stopped as a learner failure, without its
-    # final checkpoint. Killed for real, as step 2's learner call returns.
+    # final checkpoint. Killed for real, as step 2's learner call returns, and dead before
+    # the driver goes on: ray.kill only asks the GCS, and under load a ping sent at once was
+    # still answered, and the member died inside the broadcast: that fails learner rank 0's
+    # call and stops the run resumably, as a death at any moment of a collective does (two
+    # full CI runs saw it, a member's idle death being what this test is about).
+    import time
+
     import ray
 
     class IdleDeath(Driver):
@@ -219,6 +225,15 @@ def test_a_broadcast_member_dying_while_idle_is_replaced_not_a_learner_failure(t
                 assert not slot.busy, slot.queue  # idle: nothing in flight would tell
                 ray.kill(slot.handle)
                 self.killed = slot.index
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    try:  # answered: not dead yet
+                        ray.get(slot.handle.__ray_ready__.remote(), timeout=30)
+                    except Exception:
+                        break
+                    time.sleep(0.05)
+                else:
+                    raise AssertionError("the killed worker still answers after 60 s")
             return super()._on_learner_done()
 
     cfg = parse_config(TINY, [f"run.output_dir={tmp_path}", "run.name=g", "run.steps=4",
