@@ -7,9 +7,10 @@ the report of what it recorded, per file and per test.
 CI's time is the suite's CPU: on 2 cores its runs keep both busy (93% over a whole `make
 test`), so a test costs what its processes burn, not its wall time (a test that waits leaves
 the cores to the other pytest process). A test's CPU is that of every process whose
-environment carries its pytest process's PYTEST_XDIST_WORKER (the process itself, a Ray it
-started, Ray's daemons, which leave the process tree, the actors of its runs, a `staleflow
-train` it ran and all of that one's processes). A thread samples them every 0.25 s; a
+environment carries the mark its pytest process sets (SUITE_CPU_OWNER: the process itself, a
+Ray it started, Ray's daemons, which leave the process tree, the actors of its runs, a
+`staleflow train` it ran and all of that one's processes; not a process started with an
+environment of its own). A thread samples them every 0.25 s, and its own CPU counts too; a
 process's last-seen user+system time counts after it exits, so the figures are a little low.
 Each test's share is the growth of that sum from its setup to its teardown. Records go to
 DIR (default .cache/suite-cpu), one JSON line per test, cleared at the session's start.
@@ -30,9 +31,9 @@ from pathlib import Path
 import pytest
 
 TICK = os.sysconf("SC_CLK_TCK")
-DIR = Path(os.environ.get("SUITE_CPU_DIR", ".cache/suite-cpu"))
+DIR = Path(os.environ.get("SUITE_CPU_DIR", ".cache/suite-cpu")).resolve()
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
-_TAG = f"PYTEST_XDIST_WORKER={WORKER}".encode()
+_TAG = f"SUITE_CPU_OWNER={os.getpid()}".encode()  # inherited by what this process starts
 _ours: dict[tuple[int, str], bool] = {}  # (pid, start time) -> whether it is this worker's
 _cpu: dict[tuple[int, str], float] = {}  # (pid, start time) -> last-seen CPU seconds
 _lock = threading.Lock()
@@ -44,7 +45,7 @@ def _sample() -> None:
         if not name.isdigit():
             continue
         try:
-            stat = Path(f"/proc/{name}/stat").read_text()
+            stat = Path(f"/proc/{name}/stat").read_bytes().decode(errors="replace")
         except OSError:
             continue
         fields = stat[stat.rfind(")") + 2 :].split()
@@ -62,7 +63,8 @@ def _sample() -> None:
 
 
 def _total() -> float:
-    _sample()
+    with contextlib.suppress(Exception):  # (the sampler's last round stands)
+        _sample()
     with _lock:
         return sum(_cpu.values())
 
@@ -78,11 +80,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
         shutil.rmtree(DIR, ignore_errors=True)
     DIR.mkdir(parents=True, exist_ok=True)
-    threading.Thread(target=_sampler, name="suite-cpu", daemon=True).start()
+    os.environ["SUITE_CPU_OWNER"] = str(os.getpid())
+
+
+_sampling: list[threading.Thread] = []
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not _sampling:  # (in a process that runs tests: not xdist's controller)
+        _sampling.append(threading.Thread(target=_sampler, name="suite-cpu", daemon=True))
+        _sampling[0].start()
     cpu, wall = _total(), time.monotonic()
     yield
     record = {"test": item.nodeid, "cpu_s": round(_total() - cpu, 2),

@@ -612,7 +612,7 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def load_resume(run: RunDir, cfg: Any) -> Resume:
     """Read the last checkpoint of `run` (or start from step 0 if it has none, which only
-    works if no group was acked yet: `_restore` asks the buffer). `check_resumable` has
+    works if no group was acked yet: `_check_buffer_as_left` asks the buffer). `check_resumable` has
     passed; metrics.jsonl is cut back to the checkpoint's step by `Resume.cut_metrics`, once
     the learner has loaded it."""
     path = resumable_checkpoint(run)

@@ -66,15 +66,17 @@ def _rank(rank: int, port: int, groups: list, out_dir: str) -> None:
     _leave()
 
 
-# The ranks' processes are forked from a fork server that imported torch, DeepSpeed, GPT-2's
+# The ranks' processes are forked from a fork server that imported torch, GPT-2's
 # transformers classes and this module once; spawned, each of them spent about 5 CPU-seconds
 # on those imports, most of this module's CPU on a 2-core machine. The server is a process of
-# its own, started clean (not a fork of pytest), with no threads when it forks: each rank is
-# still a fresh process with its own gloo group and DeepSpeed engine.
+# its own, started clean (not a fork of pytest, run from the repository's root as pytest is),
+# and each rank is still a fresh process with its own gloo group and DeepSpeed engine.
+# DeepSpeed is left to each rank: its import detects the accelerator, which on a CUDA build of
+# torch would start CUDA in the server before it forks.
 _RANKS = mp.get_context("forkserver")
 _RANKS.set_forkserver_preload(
-    ["torch", "deepspeed", "transformers.models.gpt2.modeling_gpt2", "tokenizers",
-     "staleflow.learner.learner", "tests.integration.test_learner_ranks"]
+    ["torch", "transformers.models.gpt2.modeling_gpt2", "tokenizers",
+     "tests.integration.test_learner_ranks"]
 )  # fmt: skip
 
 
