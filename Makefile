@@ -73,7 +73,7 @@ redis:
 # The suite on PYTEST_WORKERS processes (pytest-xdist). Most of its time is whole runs: their
 # start (Ray actors importing torch and transformers) is CPU-bound, but some tests mostly wait
 # (a batch timeout, slow rewards, a Ctrl-C), and a second process runs another test meanwhile.
-# Measured on 2 cores, two processes, while .ci/run built the image beside them: 29:59
+# Measured on 2 cores, two processes, while .ci/run built the image beside them: 29:52
 # (2026-11-29), both cores 93% busy, so a third process would not help; what costs is each
 # test's CPU (bench/suite_cpu.py lists it). A module marked xdist_group stays on one process
 # (its module-scoped fixture is built once).
