@@ -218,14 +218,14 @@ class CheckpointMixin:
             logger.warning("checkpoint at step %d: the embedded Redis is not running, so its "
                            "log was not made durable now; %s", self.step, risk)  # fmt: skip
 
-    def _check_buffer_as_left(self: Any, buffer: Any) -> None:
-        """A resume's checks of the buffer as the stopped run left it, made as soon as the
-        buffer is reached, before any learner rank or rollout worker starts (Services.start):
-        a resume refused here costs a Redis and a Ray, not the start of every actor. The
-        counts that only the checkpoint's load settles are checked again in _restore."""
+    def _check_buffer_as_left(self: Any, stats: Any) -> None:
+        """A resume's checks of the buffer's `stats` as the stopped run left it, made as soon
+        as the buffer is reached, before any learner rank or rollout worker starts
+        (Services.start): a resume refused here costs a Redis and a Ray, not the start of
+        every actor. The counts that only the checkpoint's load settles are checked again in
+        _restore."""
         r = self.resumed
         assert r is not None
-        stats = buffer.stats()
         acked = stats.acked
         if acked and r.checkpoint is None:
             raise ResumeError(

@@ -36,8 +36,8 @@ class Services:
         self, resume: bool = False, check_buffer: Callable[[Any], None] | None = None
     ) -> None:
         """Redis (embedded unless buffer.redis_url), an empty buffer for this run (or, with
-        `resume`, the one it left, first handed to `check_buffer`, which raises to refuse it
-        before any actor starts), Ray, the placement check, the learner ranks and the
+        `resume`, the one it left, whose stats are first handed to `check_buffer`, which raises
+        to refuse it before any actor starts), Ray, the placement check, the learner ranks and the
         rollout workers, ready to run."""
         import ray
 
@@ -79,7 +79,7 @@ class Services:
             logger.info("resuming with the buffer as left: %d stored, %d pending, %d pushed",
                         stats.length, stats.pending, stats.pushed)  # fmt: skip
             if check_buffer is not None:
-                check_buffer(self.buffer)
+                check_buffer(stats)
         else:
             self.buffer.clear()  # a new run starts empty (its key is new: RunDir.key)
         publish_dir = self.publish_dir

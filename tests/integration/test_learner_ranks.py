@@ -84,8 +84,7 @@ def _run_ranks(target, args: tuple, timeout_s: float = 300) -> list[int | None]:
     """Run `target(rank, port, *args)` as ranks 0 and 1 (processes of their own); their exit
     codes (None: still running at the timeout, e.g. waiting in a collective; then killed)."""
     port = free_port("127.0.0.1")  # below the ephemeral range (see free_port)
-    ctx = _RANKS
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in (0, 1)]
+    procs = [_RANKS.Process(target=target, args=(r, port, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
