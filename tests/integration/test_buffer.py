@@ -44,14 +44,18 @@ def group(version: int = 0, prompt: str = "p", k: int = 2, worker: str = "w") ->
 @pytest.fixture
 def waits(monkeypatch) -> list[float]:
     """Every back-off a test's calls slept, in seconds: redis-py's retries and the buffer's own
-    waits (both still sleep). Whether an error was retried is read here, not off a clock."""
+    waits (both still sleep). Whether an error was retried is read here, not off a clock.
+    Only the test's own thread is recorded: another thread's sleep (a sampling plugin's,
+    a proxy's) is not a retry of the test's calls."""
     import redis.retry
 
     slept: list[float] = []
     real = time.sleep
+    test_thread = threading.current_thread()
 
     def sleep(seconds: float) -> None:
-        slept.append(seconds)
+        if threading.current_thread() is test_thread:
+            slept.append(seconds)
         real(seconds)
 
     monkeypatch.setattr(redis.retry, "sleep", sleep)
