@@ -151,35 +151,6 @@ def test_two_learner_ranks_train_on_groups_that_never_pass_through_the_driver(
 # ----------------------------------------------------------------------------- async
 
 
-def test_async_run_bounds_staleness_and_reconciles(tmp_path, ray_local):
-    # Two free-running workers: which batch a step gets depends on their relative speeds, so
-    # only what holds for every timing is asserted (the exact lag is the next test's).
-    _cfg, _run, summary, records = run_driver(
-        tmp_path, "sync.mode=async", "buffer.max_staleness=1", "run.steps=16"
-    )
-    assert summary["status"] == "completed"
-    steps = steps_of(records)
-    assert [r["step"] for r in steps] == list(range(1, 17))
-    assert all(0 <= r["lag_min"] <= r["lag_max"] <= 1 for r in steps)
-    # the driver's per-group lag counts agree with the learner's min / max and group count
-    for r in steps:
-        lags = {int(k): n for k, n in r["lag_counts"].items()}
-        assert sum(lags.values()) == r["groups"] == 2
-        assert (min(lags), max(lags)) == (r["lag_min"], r["lag_max"])
-    last = steps[-1]
-    assert 0 < last["learner_busy"] <= 1
-    assert 0 < last["rollout_busy"] <= 1
-    # idle worker-seconds are booked in the interval they fall in: at most 2 per second of
-    # it (a worker's idle time since its start went to the first dispatch's step: 50
-    # worker-seconds in a 0.25 s interval)
-    for r in steps:
-        assert 0 <= r["time_gap_s"] <= 2 * r["time_interval_s"] + 0.05, r
-    # both workers produced data
-    workers = {r["worker"] for r in records if r["kind"] == "rollout"}
-    assert workers == {0, 1}
-    assert_reconciled(summary)
-
-
 def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
     # One worker starts its next batch in the same tick as the learner starts a step, with
     # the weights published before that step: whatever the speeds, step t >= 2 trains on
@@ -200,6 +171,8 @@ def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
 
 
 def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path, ray_local):
+    # (Also the async run whose bounds, lag counts, busy fractions and idle bookkeeping are
+    # checked: it used to be a two-worker run of its own, one whole run more.)
     # Three free-running workers, one of them slow: the worker that holds batch 1 claims the
     # marker when it scores batch 1's first response and then takes 0.5 s a response (2 s a
     # batch; the others take ~0.1 s). Batches 1-3 start together (the staleness rule admits
@@ -233,7 +206,26 @@ def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path,
     finished = [r["batch"] for r in records if r["kind"] == "rollout"]
     assert finished != sorted(finished), "no batch finished out of order: the test saw nothing"
     assert summary["groups"]["dropped_stale"] == 0
-    assert all(r["lag_max"] <= 2 for r in steps_of(records))
+    # Free-running workers: which batch a step gets depends on their speeds, so only what
+    # holds for every timing is asserted (the exact lag is the one-worker test's).
+    steps = steps_of(records)
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    assert all(0 <= r["lag_min"] <= r["lag_max"] <= 2 for r in steps)
+    # the driver's per-group lag counts agree with the learner's min / max and group count
+    for r in steps:
+        lags = {int(k): n for k, n in r["lag_counts"].items()}
+        assert sum(lags.values()) == r["groups"] == 2
+        assert (min(lags), max(lags)) == (r["lag_min"], r["lag_max"])
+    last = steps[-1]
+    assert 0 < last["learner_busy"] <= 1
+    assert 0 < last["rollout_busy"] <= 1
+    # idle worker-seconds are booked in the interval they fall in: at most 3 (workers) per
+    # second of it (a worker's idle time since its start went to the first dispatch's step:
+    # 50 worker-seconds in a 0.25 s interval)
+    for r in steps:
+        assert 0 <= r["time_gap_s"] <= 3 * r["time_interval_s"] + 0.05, r
+    # every worker produced data (the slow one, batch 1 at least)
+    assert {r["worker"] for r in records if r["kind"] == "rollout"} == {0, 1, 2}
     assert_reconciled(summary)
 
 
