@@ -74,16 +74,18 @@ redis:
 # start (Ray actors importing torch and transformers) is CPU-bound, but some tests mostly wait
 # (a batch timeout, slow rewards, a Ctrl-C), and a second process runs another test meanwhile.
 # Measured on 2 cores, two processes, while .ci/run built the image beside them: 29:52
-# (2026-11-29), both cores 93% busy; three processes took longer (30:39, the same day), so
-# what costs is each test's CPU (bench/suite_cpu.py lists it). A module marked xdist_group stays on one process
-# (its module-scoped fixture is built once).
+# (2026-11-29, before the byte-compile below), both cores 93% busy; three processes took
+# longer (30:39, the same day), so what costs is each test's CPU (bench/suite_cpu.py lists
+# it); with the byte-compile and four whole runs fewer, 25:59. A module marked xdist_group
+# stays on one process (its module-scoped fixture is built once).
 # PYTEST_WORKERS=0: no worker processes.
 PYTEST_WORKERS ?= 2
 # The sources are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (it is on the
 # machines here), each of the suite's hundreds of processes (Ray actors, `staleflow` runs)
-# would otherwise compile the modules it imports from source, about 0.1-0.15 s each.
+# would otherwise compile the modules it imports from source, about 0.1-0.15 s each (test
+# modules are rewritten by pytest; tests/integration holds helpers that actors import).
 test: lint redis
-	$(PY) -m compileall -q actors buffer cluster configs learner tests >/dev/null
+	$(PY) -m compileall -q actors buffer cluster configs learner tests/integration
 	$(VENV)/bin/pytest -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The CPU image (docker/Dockerfile.cpu) built with podman and smoke-tested, plus the wheel

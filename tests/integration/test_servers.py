@@ -54,7 +54,8 @@ def test_buffer_contract_on_each_server(external):
 
 
 # On redis-server (the session's server, where installed), the next test's two runs are runs
-# given an external server's URL, and check the same: one whole run fewer.
+# given an external server's URL (2 steps each, lock-step offset 0, not 4 steps at offset 1),
+# and check what this run checks there: one whole run fewer.
 @pytest.mark.parametrize("external", ["valkey-server"], indirect=True)
 def test_a_run_on_an_external_valkey_server_reconciles(tmp_path, ray_local, external):
     _, run, summary, records = run_driver(
@@ -72,7 +73,7 @@ def test_a_run_on_an_external_valkey_server_reconciles(tmp_path, ray_local, exte
 
 
 def test_two_runs_given_one_name_keep_their_own_buffers_on_a_shared_server(
-    tmp_path, ray_local, redis_url
+    tmp_path, ray_local, redis_url, redis_server
 ):
     # Both runs are named twin, in two output directories, on one server. The second one's
     # start empties its own buffer only: the first's stays whole (its leftovers, its counts),
@@ -83,10 +84,10 @@ def test_two_runs_given_one_name_keep_their_own_buffers_on_a_shared_server(
     assert first.key != second.key
     assert (done["run_id"], again["run_id"]) == (first.key, second.key)
     assert set(ReplayBuffer(redis_url, "x").runs()) == {first.key, second.key}
-    password = redis_url.split("://:", 1)[1].split("@", 1)[0]
-    assert password
+    password = redis_server.password
+    assert password in redis_url  # (a token_hex(16): never empty)
     for run, summary in ((first, done), (second, again)):
-        assert summary["status"] == "completed"
+        assert (summary["status"], summary["steps"]) == ("completed", 2)
         assert_reconciled(summary)
         stats = ReplayBuffer(redis_url, run.key).stats()
         assert stats.pushed == summary["groups"]["pushed"] >= 2 * 2  # G = 2 groups a step

@@ -199,6 +199,7 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
             assert {r["policy_version"] for r in records if r["kind"] == "rollout"} == {0}
             summary = json.loads((sweep.runs / cell.name / "summary.json").read_text())
             assert set(summary["trained_by_version"]) == {"0"}
+            assert summary["groups"]["reconciled"], summary["groups"]
     report = write_sweep_report(sweep.directory)
     assert report.is_file()
     for name in ("reward", "accuracy", "eval_reward", "clip_frac", "kl"):

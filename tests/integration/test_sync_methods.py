@@ -39,10 +39,11 @@ def ipc_files(run) -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith(f"staleflow-ipc-{run.key}-")}
 
 
-# gloo's on-policy check is made by the gloo broadcast test below, on its lag-0 steps (one
-# whole run fewer): ratio 1 after the broadcasts of v2 and, resumed, of v4, to two engines.
+# gloo's on-policy checks are made by the gloo broadcast test below, on its lag-0 steps (one
+# whole run fewer): ratio 1 after the broadcasts of v2 and, resumed, of v4, to two engines,
+# and no weight file written.
 @pytest.mark.parametrize("method", ["ipc", "checkpoint"])
-def test_lockstep_on_policy_run_with_each_sync_method(tmp_path, ray_local, method):
+def test_lockstep_on_policy_run_with_the_ipc_and_checkpoint_methods(tmp_path, ray_local, method):
     steps = 4
     # ipc to two engines; the checkpoint method's file needs no second
     one = [ONE_WORKER] if method == "checkpoint" else []
@@ -166,13 +167,15 @@ def test_gloo_broadcast_keeps_the_interval_schedule_and_evaluates_on_it(
     assert resumed["groups"]["reconciled"]
     rows = steps_of(list(read_metrics(run.metrics)))
     assert [r["lag_max"] for r in rows] == [lag(t, 2, 0) for t in range(1, 7)]
-    # steps 3 and 5 (lag 0) trained on batches both engines sampled with the weights just
-    # broadcast, v2 and, by the resumed learner, v4: pi / mu = 1 on every token, so each
-    # broadcast reached every engine bit for bit (as the other methods' on-policy runs show)
+    # steps 3 and 5 (lag 0, as is step 1 on the initial weights) trained on batches both
+    # engines sampled with the weights just broadcast, v2 and, by the resumed learner, v4:
+    # pi / mu = 1 on every token, so each broadcast reached every engine bit for bit (as the
+    # other methods' on-policy runs show); a broadcast writes no weight file
     for r in rows:
         if r["lag_max"] == 0:
             assert r["ratio_min"] == pytest.approx(1.0, abs=1e-4), r["step"]
             assert r["ratio_max"] == pytest.approx(1.0, abs=1e-4), r["step"]
+    assert not list((run.path / "weights").glob("weights-v*"))
 
 
 def test_a_learner_rank_dying_in_a_broadcast_stops_the_run_resumably(

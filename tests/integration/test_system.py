@@ -71,7 +71,10 @@ def assert_reconciled(summary):
 def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, interval, offset):
     # 22 steps cover a full I=20 cycle and its wrap, and O=10's switch to a constant lag.
     # The offline setting (every batch from the initial policy) is the sweep test's two
-    # offline cells (tests/integration/test_study.py), whose lags and versions it checks. (The
+    # offline cells (tests/integration/test_study.py), whose lags, versions and counts it
+    # checks over 4 steps of one optimizer step each; a 22-step offline run with
+    # mini_batches x epochs = 4 is no longer made (the version counts batches in every
+    # setting: the two runs below check that). (The
     # schedule's whole I x O grid, on-policy to offline, is checked without Ray in
     # tests/unit/test_schedule.py; each setting here is a whole run, about 15 s alone.)
     # mini_batches x epochs = 4 optimizer steps per batch: the policy version still counts
@@ -172,7 +175,9 @@ def test_async_with_one_worker_trains_at_lag_exactly_one(tmp_path, ray_local):
 
 def test_async_with_three_workers_finishing_out_of_order_drops_nothing(tmp_path, ray_local):
     # (Also the async run whose bounds, lag counts, busy fractions and idle bookkeeping are
-    # checked: it used to be a two-worker run of its own, one whole run more.)
+    # checked: it used to be a run of its own, two workers of the digits task at bound 1 for
+    # 16 steps, one whole run more. A bound of 1 stays the one-worker test's; the buffer's
+    # take applies any bound.)
     # Three free-running workers, one of them slow: the worker that holds batch 1 claims the
     # marker when it scores batch 1's first response and then takes 0.5 s a response (2 s a
     # batch; the others take ~0.1 s). Batches 1-3 start together (the staleness rule admits
