@@ -76,8 +76,8 @@ redis:
 # Measured on 2 cores, two processes, while .ci/run built the image beside them: 29:52
 # (2026-11-29, before the byte-compile below), both cores 93% busy; three processes took
 # longer (30:39, the same day), so what costs is each test's CPU (bench/suite_cpu.py lists
-# it); with the byte-compile and four whole runs fewer, 25:59 and 27:02 (two runs). A module marked xdist_group
-# stays on one process (its module-scoped fixture is built once).
+# it); with the byte-compile and four whole runs fewer, 25:59 and 27:02 (two runs). A module
+# marked xdist_group stays on one process (its module-scoped fixture is built once).
 # PYTEST_WORKERS=0: no worker processes.
 PYTEST_WORKERS ?= 2
 # The sources are byte-compiled first: where PYTHONDONTWRITEBYTECODE is set (it is on the

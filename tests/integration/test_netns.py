@@ -28,7 +28,7 @@ import pytest
 
 from staleflow.cluster.rundir import RunDir
 from tests.integration.procs import clean_env
-from tests.integration.test_system import assert_reconciled
+from tests.integration.test_system import assert_reconciled, assert_secret_in_no_file
 from tests.integration.tiny import ONE_WORKER, TINY
 
 # one xdist worker runs the whole module: its namespaces are a module fixture (made once)
@@ -264,9 +264,7 @@ def test_an_external_server_on_the_head_serves_a_cluster_joined_separately(nodes
     assert_reconciled(summary)
     assert summary["placement"]["redis"] == f"{nodes.addresses[0]}:6392"
     assert password not in out
-    for path in (work / "runs/external").rglob("*"):
-        if path.is_file() and path.suffix in {".json", ".jsonl", ".log"}:
-            assert password not in path.read_text(errors="replace"), path
+    assert_secret_in_no_file(work / "runs/external", password)
 
 
 def test_a_worker_that_cannot_reach_redis_fails_at_start_naming_the_address(nodes, unrouted_redis):

@@ -13,7 +13,7 @@ import pytest
 from staleflow.buffer.replay import ReplayBuffer
 from staleflow.buffer.server import RedisServer
 from tests.integration.test_buffer import group
-from tests.integration.test_system import assert_reconciled
+from tests.integration.test_system import assert_reconciled, assert_secret_in_no_file
 from tests.integration.tiny import ONE_WORKER, run_driver, steps_of
 
 pytestmark = pytest.mark.integration
@@ -65,10 +65,7 @@ def test_a_run_on_an_external_valkey_server_reconciles(tmp_path, ray_local, exte
     assert len(steps_of(records)) == 4
     assert_reconciled(summary)
     assert summary["groups"]["pushed"] >= 4 * 2  # G = 2 groups a step
-    # the URL's password is in no file of the run: config, checkpoint, logs, summary
-    for path in run.path.rglob("*"):
-        if path.is_file() and path.suffix in {".json", ".jsonl", ".log", ".html"}:
-            assert external.password not in path.read_text(errors="replace"), path
+    assert_secret_in_no_file(run.path, external.password)
     assert (run.latest_checkpoint() / "trainer.json").is_file()
 
 
@@ -92,8 +89,5 @@ def test_two_runs_given_one_name_keep_their_own_buffers_on_a_shared_server(
         stats = ReplayBuffer(redis_url, run.key).stats()
         assert stats.pushed == summary["groups"]["pushed"] >= 2 * 2  # G = 2 groups a step
         assert stats.acked == summary["groups"]["trained"]
-        # the URL's password is in no file of the run: config, checkpoint, logs, summary
-        for path in run.path.rglob("*"):
-            if path.is_file() and path.suffix in {".json", ".jsonl", ".log", ".html"}:
-                assert password not in path.read_text(errors="replace"), path
+        assert_secret_in_no_file(run.path, password)
         assert (run.latest_checkpoint() / "trainer.json").is_file()

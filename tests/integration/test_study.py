@@ -185,9 +185,8 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
         cfg = json.loads((sweep.runs / cell.name / "config.json").read_text())
         assert cfg["learner"]["loss"]["name"] == cell.labels["algorithm"]
         assert cfg["sync"]["offset"] == (1000 if cell.labels["sync"] == "offline" else 0)
-        steps = [
-            r for r in read_metrics(sweep.runs / cell.name / "metrics.jsonl") if r["kind"] == "step"
-        ]
+        records = list(read_metrics(sweep.runs / cell.name / "metrics.jsonl"))
+        steps = [r for r in records if r["kind"] == "step"]
         assert len(steps) == 4
         # offline trains only on the initial policy's data: lag t-1 at step t (the offline
         # setting's check; test_system.py's lag-formula runs cover the others)
@@ -195,7 +194,6 @@ def test_sweep_runs_every_cell_reports_and_resumes(tmp_path, ray_local):
         expected = [t - 1 for t in range(1, 5)] if offline else [0] * 4
         assert [(r["lag_min"], r["lag_max"]) for r in steps] == [(e, e) for e in expected]
         if offline:  # every batch generated, and every group trained, on v0
-            records = list(read_metrics(sweep.runs / cell.name / "metrics.jsonl"))
             assert {r["policy_version"] for r in records if r["kind"] == "rollout"} == {0}
             summary = json.loads((sweep.runs / cell.name / "summary.json").read_text())
             assert set(summary["trained_by_version"]) == {"0"}

@@ -55,6 +55,15 @@ def assert_reconciled(summary):
     assert summary["driver_counts"]["trained"] == g["trainings"]
 
 
+def assert_secret_in_no_file(run_dir, secret: str) -> None:
+    """`secret` (a Redis password) is in no text file of the run: config, checkpoint, logs,
+    summary, report."""
+    assert secret
+    for path in Path(run_dir).rglob("*"):
+        if path.is_file() and path.suffix in {".json", ".jsonl", ".log", ".html"}:
+            assert secret not in path.read_text(errors="replace"), path
+
+
 # ----------------------------------------------------------------------------- lockstep
 
 
@@ -70,13 +79,12 @@ def assert_reconciled(summary):
 )
 def test_lockstep_lag_of_every_step_equals_the_formula(tmp_path, ray_local, interval, offset):
     # 22 steps cover a full I=20 cycle and its wrap, and O=10's switch to a constant lag.
-    # The offline setting (every batch from the initial policy) is the sweep test's two
-    # offline cells (tests/integration/test_study.py), whose lags, versions and counts it
-    # checks over 4 steps of one optimizer step each; a 22-step offline run with
-    # mini_batches x epochs = 4 is no longer made (the version counts batches in every
-    # setting: the two runs below check that). (The
-    # schedule's whole I x O grid, on-policy to offline, is checked without Ray in
-    # tests/unit/test_schedule.py; each setting here is a whole run, about 15 s alone.)
+    # The offline setting (every batch from the initial policy) is checked by the sweep
+    # test's two offline cells (tests/integration/test_study.py): lags, versions and counts
+    # over 4 steps of one optimizer step each (no 22-step offline run at mini_batches x
+    # epochs = 4 is made). (The schedule's whole I x O grid, on-policy to
+    # offline, is checked without Ray in tests/unit/test_schedule.py; each setting here is a
+    # whole run, about 15 s alone.)
     # mini_batches x epochs = 4 optimizer steps per batch: the policy version still counts
     # batches, so every version the schedule asks for is published and the lags are exact.
     # (With one optimizer step per batch, every lock-step run checks the same: the driver
